@@ -1,0 +1,22 @@
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+
+.PHONY: test demo install clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+install: $(VENV)/.installed
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q
+
+demo: $(VENV)/.installed
+	$(VENV)/bin/k3jax demo
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache
