@@ -1,0 +1,147 @@
+"""Decoder layer, Block AttnRes stream (spec §2, §6) and the causal LM."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3jax.config import K3Config
+from k3jax.nn.kda import KDAttention
+from k3jax.nn.layers import Proj, RMSNorm
+from k3jax.nn.mla import MLAttention
+from k3jax.nn.moe import MLP, MoE
+from k3jax.ops.attnres import attnres_mix
+
+
+class AttnResSite(nnx.Module):
+    """One AttnRes read: the norm gain ``{site}_norm.weight [H]`` and pseudo-query ``{site}_proj.weight [1, H]``.
+
+    The pseudo-query starts at zero, so every read starts as a uniform average of its candidates.
+    """
+
+    def __init__(self, cfg: K3Config):
+        dt = jnp.dtype(cfg.dtype)
+        self.eps = cfg.rms_norm_eps
+        self.norm = nnx.Param(jnp.ones((cfg.hidden_size,), dt))
+        self.proj = nnx.Param(jnp.zeros((1, cfg.hidden_size), dt))
+
+    def __call__(self, blocks: list[jax.Array], partial: jax.Array) -> jax.Array:
+        return attnres_mix(blocks, partial, self.norm.value, self.proj.value, self.eps)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: K3Config, idx: int, *, rngs: nnx.Rngs):
+        dt = jnp.dtype(cfg.dtype)
+        self.idx = idx
+        self.kind = cfg.layer_types[idx]
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dt)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dt)
+        self.self_attn = KDAttention(cfg, rngs=rngs) if self.kind == "kda" else MLAttention(cfg, rngs=rngs)
+        self.is_moe = cfg.is_moe_layer(idx)
+        if self.is_moe:
+            self.block_sparse_moe = MoE(cfg, rngs=rngs)
+        else:
+            self.mlp = MLP(cfg, cfg.hidden_size, cfg.intermediate_size, rngs=rngs)
+        self.attn_res = cfg.attn_res
+        if self.attn_res:
+            self.block_size = cfg.attn_res_block_size
+            self.self_attention_res = AttnResSite(cfg)
+            self.mlp_res = AttnResSite(cfg)
+
+    def attention(self, a: jax.Array, segment_ids: jax.Array | None, kda_kernel: str) -> jax.Array:
+        h = self.input_layernorm(a)
+        if self.kind == "kda":
+            return self.self_attn(h, kernel=kda_kernel)
+        return self.self_attn(h, segment_ids=segment_ids)
+
+    def ffn(self, m: jax.Array, moe_grouped: bool) -> tuple[jax.Array, jax.Array | None]:
+        h = self.post_attention_layernorm(m)
+        if self.is_moe:
+            return self.block_sparse_moe(h, grouped=moe_grouped)
+        return self.mlp(h), None
+
+    def __call__(self, x: jax.Array, blocks: list[jax.Array], *, segment_ids: jax.Array | None = None,
+                 kda_kernel: str = "chunked", moe_grouped: bool = True
+                 ) -> tuple[jax.Array, list[jax.Array], jax.Array | None]:
+        """Returns ``(output partial sum, blocks, expert counts or None)`` (spec §2 steps 1–8)."""
+        if not self.attn_res:
+            x = x + self.attention(x, segment_ids, kda_kernel)
+            y, counts = self.ffn(x, moe_grouped)
+            return x + y, blocks, counts
+        p = x
+        a = self.self_attention_res(blocks, p) if blocks else p          # identity only at layer 0
+        sealed = self.idx % self.block_size == 0
+        if sealed:                                                       # seal after the read, before attention
+            blocks = blocks + [p]
+        y = self.attention(a, segment_ids, kda_kernel)
+        p = y if sealed else p + y                                       # the partial sum restarts after a seal
+        m = self.mlp_res(blocks, p)
+        f, counts = self.ffn(m, moe_grouped)
+        return p + f, blocks, counts
+
+
+class CausalLMOutput(NamedTuple):
+    logits: jax.Array              # [B, T, vocab]
+    expert_counts: jax.Array       # [n_moe_layers, num_experts] int32 (tokens routed to each expert)
+
+
+class K3Model(nnx.Module):
+    """Embedding → decoder layers (KDA/MLA × dense/MoE, AttnRes stream) → output read → final norm."""
+
+    def __init__(self, cfg: K3Config, *, rngs: nnx.Rngs):
+        dt = jnp.dtype(cfg.dtype)
+        self.embed_tokens = nnx.Param(
+            (cfg.initializer_range * jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size),
+                                                       jnp.float32)).astype(dt))
+        self.layers = nnx.List([DecoderLayer(cfg, i, rngs=rngs) for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dt)
+        self.attn_res = cfg.attn_res
+        if self.attn_res:
+            self.output_attn_res = AttnResSite(cfg)
+
+    def __call__(self, input_ids: jax.Array, *, segment_ids: jax.Array | None = None, kda_kernel: str = "chunked",
+                 moe_grouped: bool = True) -> tuple[jax.Array, list[jax.Array]]:
+        x = jnp.take(self.embed_tokens.value, input_ids, axis=0)
+        blocks: list[jax.Array] = []
+        counts = []
+        for layer in self.layers:
+            x, blocks, c = layer(x, blocks, segment_ids=segment_ids, kda_kernel=kda_kernel, moe_grouped=moe_grouped)
+            if c is not None:
+                counts.append(c)
+        if self.attn_res:
+            x = self.output_attn_res(blocks, x)
+        return self.norm(x), counts
+
+
+class K3ForCausalLM(nnx.Module):
+    """The K3 / Kimi Linear text model. ``model(input_ids [B, T] int32)`` → logits ``[B, T, vocab]``."""
+
+    def __init__(self, cfg: K3Config, *, rngs: nnx.Rngs | None = None):
+        cfg.validate()
+        rngs = nnx.Rngs(0) if rngs is None else rngs
+        self.config = cfg
+        self.model = K3Model(cfg, rngs=rngs)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = Proj(cfg.hidden_size, cfg.vocab_size, dtype=jnp.dtype(cfg.dtype),
+                                init_std=cfg.initializer_range, rngs=rngs)
+
+    def forward(self, input_ids: jax.Array, *, segment_ids: jax.Array | None = None, kda_kernel: str = "chunked",
+                moe_grouped: bool = True) -> CausalLMOutput:
+        """Logits and per-MoE-layer expert token counts (what load balancing consumes)."""
+        input_ids = jnp.asarray(input_ids)
+        if input_ids.ndim != 2 or not jnp.issubdtype(input_ids.dtype, jnp.integer):
+            raise ValueError(f"input_ids: expected integer ids of shape [B, T], got {input_ids.dtype}{input_ids.shape}")
+        h, counts = self.model(input_ids, segment_ids=segment_ids, kda_kernel=kda_kernel, moe_grouped=moe_grouped)
+        if self.config.tie_word_embeddings:
+            logits = jnp.einsum("btd,vd->btv", h, self.model.embed_tokens.value.astype(h.dtype))
+        else:
+            logits = self.lm_head(h)
+        E = self.config.num_experts or 0
+        c = jnp.stack(counts) if counts else jnp.zeros((0, E), jnp.int32)
+        return CausalLMOutput(logits, c)
+
+    def __call__(self, input_ids: jax.Array, **kw) -> jax.Array:
+        return self.forward(input_ids, **kw).logits

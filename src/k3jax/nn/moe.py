@@ -1,0 +1,99 @@
+"""FFNs (spec §7): the gated dense MLP and the (Stable Latent) MoE block."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3jax.config import K3Config
+from k3jax.nn.layers import Proj, RMSNorm, RouterBias
+from k3jax.ops.grouped import moe_grouped, moe_per_token
+from k3jax.ops.routing import expert_counts, router_topk
+from k3jax.ops.situ import glu
+
+
+def activation(cfg: K3Config):
+    """The config's gated activation as ``act(gate_preact, up_preact)``."""
+    return functools.partial(glu, hidden_act=cfg.hidden_act, beta=cfg.activation_situ_beta,
+                             beta_lin=cfg.activation_situ_linear_beta)
+
+
+class MLP(nnx.Module):
+    """Gated MLP ``act(x W_g, x W_u) W_d`` (dense layers and the shared experts)."""
+
+    def __init__(self, cfg: K3Config, hidden: int, intermediate: int, *, rngs: nnx.Rngs):
+        dt, std = jnp.dtype(cfg.dtype), cfg.initializer_range
+        self.act = activation(cfg)
+        self.gate_proj = Proj(hidden, intermediate, dtype=dt, init_std=std, rngs=rngs)
+        self.up_proj = Proj(hidden, intermediate, dtype=dt, init_std=std, rngs=rngs)
+        self.down_proj = Proj(intermediate, hidden, dtype=dt, init_std=std, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
+
+
+class Experts(nnx.Module):
+    """Routed experts stacked on a leading expert axis: ``w1, w3 [E, D, I]`` (gate, up), ``w2 [E, I, D]``."""
+
+    def __init__(self, cfg: K3Config, *, rngs: nnx.Rngs):
+        E, D, I = cfg.num_experts, cfg.expert_in_dim, cfg.moe_intermediate_size
+        dt, std = jnp.dtype(cfg.dtype), cfg.initializer_range
+        init = lambda shape: nnx.Param(  # noqa: E731
+            (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dt))
+        self.w1, self.w3, self.w2 = init((E, D, I)), init((E, D, I)), init((E, I, D))
+
+
+class MoE(nnx.Module):
+    """``block_sparse_moe``: router on full-width x; routed experts (in a latent space when LatentMoE);
+    fp32 combine; latent RMSNorm; latent up-projection; plus the full-width shared experts.
+
+    Returns ``(y [B, T, hidden], counts [E] int32)``.
+    """
+
+    def __init__(self, cfg: K3Config, *, rngs: nnx.Rngs):
+        H, E = cfg.hidden_size, cfg.num_experts
+        dt, std = jnp.dtype(cfg.dtype), cfg.initializer_range
+        self.cfg_route = dict(k=cfg.num_experts_per_token, activation=cfg.moe_router_activation_func,
+                              renormalize=cfg.moe_renormalize, scaling_factor=cfg.routed_scaling_factor,
+                              n_group=cfg.num_expert_group if cfg.use_grouped_topk else 1,
+                              topk_group=cfg.topk_group if cfg.use_grouped_topk else 1)
+        self.use_bias = cfg.topk_method == "noaux_tc"
+        self.num_experts = E
+        self.act = activation(cfg)
+        self.gate = Proj(H, E, dtype=dt, init_std=std, rngs=rngs)
+        self.e_score_correction_bias = RouterBias(jnp.zeros((E,), jnp.float32))
+        self.latent = cfg.latent_moe
+        if self.latent:
+            L = cfg.routed_expert_hidden_size
+            self.routed_expert_down_proj = Proj(H, L, dtype=dt, init_std=std, rngs=rngs)
+            self.routed_expert_norm = RMSNorm(L, cfg.rms_norm_eps, dtype=dt) if cfg.latent_moe_use_norm else None
+            self.routed_expert_up_proj = Proj(L, H, dtype=dt, init_std=std, rngs=rngs)
+        self.experts = Experts(cfg, rngs=rngs)
+        n_sh = cfg.num_shared_experts
+        self.shared_experts = MLP(cfg, H, n_sh * cfg.moe_intermediate_size, rngs=rngs) if n_sh else None
+
+    def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """``(weights [N, k] fp32, idx [N, k])`` for ``x [N, hidden]``; router logits in fp32."""
+        logits = jnp.einsum("nd,de->ne", x.astype(jnp.float32), self.gate.kernel.value.astype(jnp.float32),
+                            precision=jax.lax.Precision.HIGHEST)
+        bias = self.e_score_correction_bias.value if self.use_bias else None
+        return router_topk(logits, bias, **self.cfg_route)
+
+    def __call__(self, x: jax.Array, *, grouped: bool = True) -> tuple[jax.Array, jax.Array]:
+        B, T, H = x.shape
+        xf = x.reshape(B * T, H)
+        w, idx = self.route(xf)
+        z = self.routed_expert_down_proj(xf) if self.latent else xf
+        ex = self.experts
+        fn = moe_grouped if grouped else moe_per_token
+        y = fn(z, idx, w, ex.w1.value, ex.w3.value, ex.w2.value, self.act).astype(x.dtype)
+        if self.latent:
+            if self.routed_expert_norm is not None:
+                y = self.routed_expert_norm(y)
+            y = self.routed_expert_up_proj(y)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(xf)
+        return y.reshape(B, T, H), expert_counts(idx, self.num_experts)

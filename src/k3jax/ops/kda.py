@@ -1,0 +1,229 @@
+"""Kimi Delta Attention (spec §4): gates, short conv, and the recurrence in three forms.
+
+Recurrence per head (state ``S ∈ R^{K×V}``, fp32), for t = 1…T::
+
+    S ← Diag(exp(g_t)) S                    (decay along the key axis)
+    S ← S + β_t k_t (v_t − Sᵀk_t)ᵀ           (delta-rule write)
+    o_t = Sᵀ (scale · q_t)                  (read after write)
+
+* :func:`kda_recurrent` — the reference: a ``lax.scan`` over tokens.
+* :func:`kda_chunked` — training/prefill: chunks of 64 solved in parallel, ``lax.scan`` across chunks.
+* :func:`kda_step` — one token, for decode.
+
+All three take fla's convention: ``q, k [B, T, H, K]``, ``v [B, T, H, V]``, ``g [B, T, H, K]`` the activated
+log-decay, ``beta [B, T, H]`` after sigmoid, state ``[B, H, K, V]``; they return ``(o, final_state or None)``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def _mm(spec: str, *xs: jax.Array) -> jax.Array:
+    return jnp.einsum(spec, *xs, precision=HIGHEST, preferred_element_type=jnp.float32)
+
+
+# ----------------------------------------------------------------------------------------------------- gates
+def kda_gate_lower_bound(f: jax.Array, dt_bias: jax.Array, A_log: jax.Array, lower_bound: float) -> jax.Array:
+    """K3's safe gate: ``γ = λ · σ(exp(A_log[h]) · (f + dt_bias))`` ∈ (λ, 0), in fp32.
+
+    ``f [..., H, K]`` (gate projection output), ``dt_bias [H, K]``, ``A_log [H]``, ``λ ∈ [-5, 0)``.
+    """
+    z = f.astype(jnp.float32) + dt_bias.astype(jnp.float32)
+    return lower_bound * jax.nn.sigmoid(jnp.exp(A_log.astype(jnp.float32))[:, None] * z)
+
+
+def kda_gate_softplus(f: jax.Array, dt_bias: jax.Array, A_log: jax.Array) -> jax.Array:
+    """Kimi Linear's gate: ``γ = −exp(A_log[h]) · softplus(f + dt_bias)`` ∈ (−∞, 0), in fp32."""
+    z = f.astype(jnp.float32) + dt_bias.astype(jnp.float32)
+    return -jnp.exp(A_log.astype(jnp.float32))[:, None] * jax.nn.softplus(z)
+
+
+# -------------------------------------------------------------------------------------------- short conv
+def causal_conv1d(x: jax.Array, weight: jax.Array, state: jax.Array | None = None,
+                  activation: str | None = "silu") -> tuple[jax.Array, jax.Array]:
+    """Depthwise causal conv over time, then ``silu``: ``z_t[c] = Σ_j w[c, j] · x_{t−W+1+j}[c]``.
+
+    ``x [B, T, C]``, ``weight [C, W]`` (``w[:, W−1]`` multiplies the current token), ``state [B, W−1, C]`` the
+    previous W−1 inputs (zeros when ``None``). Returns ``(y [B, T, C], new_state [B, W−1, C])``; computed in fp32.
+    """
+    B, T, C = x.shape
+    W = weight.shape[-1]
+    if state is None:
+        state = jnp.zeros((B, W - 1, C), jnp.float32)
+    xp = jnp.concatenate([state.astype(jnp.float32), x.astype(jnp.float32)], axis=1)  # [B, T+W-1, C]
+    w = weight.astype(jnp.float32)
+    y = sum(xp[:, j:j + T] * w[:, j] for j in range(W))
+    if activation == "silu":
+        y = jax.nn.silu(y)
+    elif activation is not None:
+        raise ValueError(f"activation: expected 'silu' or None, got {activation!r}")
+    new_state = xp[:, xp.shape[1] - (W - 1):]
+    return y.astype(x.dtype), new_state
+
+
+# ------------------------------------------------------------------------------------- recurrent / step
+def _check(q, k, v, g, beta, initial_state):
+    if q.ndim != 4 or k.shape != q.shape or g.shape != q.shape:
+        raise ValueError(f"kda: q, k, g must share shape [B, T, H, K]; got q{q.shape} k{k.shape} g{g.shape}")
+    B, T, H, _ = q.shape
+    if v.ndim != 4 or v.shape[:3] != (B, T, H):
+        raise ValueError(f"kda: v must be [B, T, H, V] with B, T, H = {(B, T, H)}; got {v.shape}")
+    if beta.shape != (B, T, H):
+        raise ValueError(f"kda: beta must be [B, T, H] = {(B, T, H)}; got {beta.shape}")
+    if initial_state is not None and initial_state.shape != (B, H, q.shape[-1], v.shape[-1]):
+        raise ValueError(f"kda: initial_state must be [B, H, K, V] = {(B, H, q.shape[-1], v.shape[-1])}; "
+                         f"got {initial_state.shape}")
+
+
+def _step(S: jax.Array, q, k, v, g, beta):
+    """One delta-rule step on fp32 arrays: q, k, g ``[B, H, K]``, v ``[B, H, V]``, beta ``[B, H]``."""
+    S = S * jnp.exp(g)[..., None]
+    pred = _mm("bhk,bhkv->bhv", k, S)
+    S = S + _mm("bhk,bhv->bhkv", beta[..., None] * k, v - pred)
+    o = _mm("bhk,bhkv->bhv", q, S)
+    return S, o
+
+
+def kda_step(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, state: jax.Array,
+             scale: float | None = None) -> tuple[jax.Array, jax.Array]:
+    """One token: ``q, k, g [B, H, K]``, ``v [B, H, V]``, ``beta [B, H]``, ``state [B, H, K, V]`` (fp32).
+
+    Returns ``(o [B, H, V] in v.dtype, new_state [B, H, K, V] fp32)``.
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    S, o = _step(f32(state), f32(q) * scale, f32(k), f32(v), f32(g), f32(beta))
+    return o.astype(v.dtype), S
+
+
+def kda_recurrent(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
+                  scale: float | None = None, initial_state: jax.Array | None = None,
+                  output_final_state: bool = False) -> tuple[jax.Array, jax.Array | None]:
+    """Reference KDA: a token-by-token ``lax.scan`` of the recurrence above (fp32 throughout)."""
+    _check(q, k, v, g, beta, initial_state)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    scale = K ** -0.5 if scale is None else scale
+    S0 = jnp.zeros((B, H, K, V), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
+    tm = lambda x: jnp.moveaxis(x.astype(jnp.float32), 1, 0)  # noqa: E731  time-major
+
+    def body(S, xs):
+        return _step(S, *xs)
+
+    S, o = jax.lax.scan(body, S0, (tm(q) * scale, tm(k), tm(v), tm(g), tm(beta)))
+    o = jnp.moveaxis(o, 0, 1).astype(v.dtype)
+    return o, (S if output_final_state else None)
+
+
+# ---------------------------------------------------------------------------------------------- chunked
+def _decayed_gram(x: jax.Array, y: jax.Array, b: jax.Array, sub: int, safe_gate: bool) -> jax.Array:
+    """``M[r, s] = Σ_j x_r[j] y_s[j] exp(b_r[j] − b_s[j])`` for ``s ≤ r`` (0 above), per chunk, fp32.
+
+    ``x, y, b [..., n, K]``, ``b`` the in-chunk cumulative log decay (non-increasing in r). Built from
+    ``sub × sub`` tiles, each a dense matmul:
+
+    * tile (i, j), i > j: factor through ``e_j`` = ``b`` at the last row of sub-tile j,
+      ``(x_r ⊙ e^{b_r − e_j}) · (y_s ⊙ e^{e_j − b_s})`` — both factors ≤ 1 for any gate, nothing can overflow;
+    * diagonal tiles with ``safe_gate`` (log-decay ≥ −5 per token): factor through the tile's first row
+      ``f``, ``e^{b_f − b_s} ≤ e^{5·(sub−1)}`` (≤ e^{75} for sub = 16, finite in fp32);
+    * diagonal tiles otherwise (unbounded gate, e.g. softplus): the exact pairwise ``e^{b_r − b_s}``.
+
+    ``e^{b_r}·e^{−b_s}`` is never formed across a whole chunk (|b| reaches 320 in 64 tokens at γ = −5).
+    """
+    *lead, n, K = x.shape
+    nb = n // sub
+    bt = b.reshape(*lead, nb, sub, K)
+    e = bt[..., -1, :]                                                     # [..., nb, K]
+    # Off-diagonal tiles. Rows r of tiles ≤ j would get e^{positive}; they are discarded, so clamp them at 1.
+    xs = x[..., None, :, :] * jnp.exp(jnp.minimum(b[..., None, :, :] - e[..., :, None, :], 0.0))  # [.., nb, n, K]
+    ys = y.reshape(*lead, nb, sub, K) * jnp.exp(e[..., :, None, :] - bt)  # [..., nb, sub, K]
+    off = _mm("...jrk,...jsk->...rjs", xs, ys)                             # [..., n, nb, sub]
+    off = off.reshape(*lead, nb, sub, nb, sub)
+    xt = x.reshape(*lead, nb, sub, K)
+    yt = y.reshape(*lead, nb, sub, K)
+    if safe_gate:
+        f = bt[..., :1, :]
+        diag = _mm("...irk,...isk->...irs", xt * jnp.exp(bt - f), yt * jnp.exp(f - bt))
+    else:
+        dec = jnp.exp(jnp.minimum(bt[..., :, None, :] - bt[..., None, :, :], 0.0))  # [..., nb, sub, sub, K]
+        diag = jnp.sum(xt[..., :, None, :] * yt[..., None, :, :] * dec, axis=-1)
+    tile = jnp.arange(nb)
+    lower_tiles = (tile[:, None] > tile[None, :])[:, None, :, None]        # [nb, 1, nb, 1]
+    eye_tiles = (tile[:, None] == tile[None, :])[:, None, :, None]
+    in_tile_lower = jnp.tril(jnp.ones((sub, sub), bool))                    # s ≤ r inside a tile
+    diag_full = diag[..., :, :, None, :]                                    # [..., nb, sub, 1, sub]
+    m = jnp.where(lower_tiles, off, 0.0) + jnp.where(eye_tiles & in_tile_lower[None, :, None, :], diag_full, 0.0)
+    return m.reshape(*lead, n, n)
+
+
+def kda_chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
+                scale: float | None = None, initial_state: jax.Array | None = None,
+                output_final_state: bool = False, chunk_size: int = 64, sub_chunk: int = 16,
+                safe_gate: bool = False) -> tuple[jax.Array, jax.Array | None]:
+    """Chunked KDA (spec §4.3), mathematically identical to :func:`kda_recurrent`; fp32 internals.
+
+    Per chunk of n tokens with incoming state S₀ and in-chunk cumulative log decay ``b_r = Σ_{s≤r} g_s``::
+
+        (I + A) U = diag(β) (V − K̃ S₀),  A_rs = β_r Σ_j k_r[j] k_s[j] e^{b_r[j]−b_s[j]} (s < r),  K̃ = k ⊙ e^{b}
+        o_r = (q_r ⊙ e^{b_r})ᵀ S₀ + Σ_{s≤r} (Σ_j q_r[j] k_s[j] e^{b_r[j]−b_s[j]}) u_s
+        S_n = Diag(e^{b_n}) S₀ + Σ_s (k_s ⊙ e^{b_n−b_s}) u_sᵀ
+
+    All chunks' ``(I + A)⁻¹ diag(β) [V | K̃]`` are solved at once (unit lower-triangular); a ``lax.scan`` over
+    chunks then carries S with small matmuls. ``safe_gate=True`` asserts every ``g ≥ −5`` (K3's lower-bound
+    gate) and lets the diagonal 16-token tiles factor their exponentials too; leave it False for an unbounded
+    (softplus) gate. T need not be a multiple of ``chunk_size`` (zero padding leaves state and outputs exact).
+    """
+    _check(q, k, v, g, beta, initial_state)
+    if chunk_size % sub_chunk:
+        raise ValueError(f"kda_chunked: sub_chunk={sub_chunk} must divide chunk_size={chunk_size}")
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    n = chunk_size
+    scale = K ** -0.5 if scale is None else scale
+    C = max(1, math.ceil(T / n))
+    pad = C * n - T
+
+    def prep(x):  # [B, T, H, ...] -> [B, H, C, n, ...] fp32, zero padded at the end
+        x = x.astype(jnp.float32)
+        if pad:
+            x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        x = jnp.moveaxis(x, 2, 1)
+        return x.reshape(B, H, C, n, *x.shape[3:])
+
+    qc, kc, vc, gc, bc = prep(q) * scale, prep(k), prep(v), prep(g), prep(beta)
+    b = jnp.cumsum(gc, axis=-2)                                            # [B, H, C, n, K]
+    b_last = b[..., -1:, :]                                                # [B, H, C, 1, K]
+
+    a_kk = bc[..., :, None] * _decayed_gram(kc, kc, b, sub_chunk, safe_gate)
+    a_kk = jnp.where(jnp.tril(jnp.ones((n, n), bool), -1), a_kk, 0.0)      # strictly lower
+    a_qk = _decayed_gram(qc, kc, b, sub_chunk, safe_gate)                  # lower incl. diagonal
+
+    k_dec = kc * jnp.exp(b)                                                # K̃ = k ⊙ e^{b}   (≤ |k|)
+    rhs = bc[..., None] * jnp.concatenate([vc, k_dec], axis=-1)            # diag(β) [V | K̃]
+    eye = jnp.eye(n, dtype=jnp.float32)
+    sol = jax.lax.linalg.triangular_solve(eye + a_kk, rhs, left_side=True, lower=True, unit_diagonal=True)
+    u0, w = sol[..., :V], sol[..., V:]                                     # U = u0 − w S₀
+    q_dec = qc * jnp.exp(b)                                                # q ⊙ e^{b}
+    k_rest = kc * jnp.exp(b_last - b)                                      # k ⊙ e^{b_n − b}
+    decay_n = jnp.exp(b_last[..., 0, :])                                   # [B, H, C, K]
+
+    S0 = jnp.zeros((B, H, K, V), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
+    cm = lambda x: jnp.moveaxis(x, 2, 0)  # noqa: E731  chunk-major for the scan
+
+    def body(S, xs):
+        u0_c, w_c, qd_c, aqk_c, kr_c, dn_c = xs
+        U = u0_c - _mm("bhnk,bhkv->bhnv", w_c, S)
+        o = _mm("bhnk,bhkv->bhnv", qd_c, S) + _mm("bhns,bhsv->bhnv", aqk_c, U)
+        S = dn_c[..., None] * S + _mm("bhnk,bhnv->bhkv", kr_c, U)
+        return S, o
+
+    S, o = jax.lax.scan(body, S0, (cm(u0), cm(w), cm(q_dec), cm(a_qk), cm(k_rest), cm(decay_n)))
+    o = jnp.moveaxis(o, 0, 2).reshape(B, H, C * n, V)[:, :, :T]            # [B, H, T, V]
+    o = jnp.moveaxis(o, 1, 2).astype(v.dtype)
+    return o, (S if output_final_state else None)
