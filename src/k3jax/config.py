@@ -372,6 +372,22 @@ def _normalise_hf_aliases(d: dict[str, Any]) -> dict[str, Any]:
         if alt in d:
             v = d.pop(alt)
             d.setdefault(name, v)
+    if "model_max_length" in d and "max_position_embeddings" not in d:
+        d["max_position_embeddings"] = d["model_max_length"]
+    # transformers may carry the schedule as ``layer_types`` (0-indexed) with flattened KDA fields instead.
+    lt = d.get("layer_types")
+    if d.get("linear_attn_config") is None and isinstance(lt, list) and "linear_attention" in lt:
+        d["linear_attn_config"] = {
+            "kda_layers": [i + 1 for i, t in enumerate(lt) if t == "linear_attention"],
+            "full_attn_layers": [i + 1 for i, t in enumerate(lt) if t != "linear_attention"],
+            "num_heads": d.get("linear_num_heads", 32),
+            "head_dim": d.get("linear_head_dim", 128),
+            "short_conv_kernel_size": d.get("linear_conv_kernel_dim", 4),
+        }
+    mlt = d.get("mlp_layer_types")
+    if isinstance(mlt, list) and "first_k_dense_replace" not in d:
+        dense = [t == "dense" for t in mlt]
+        d["first_k_dense_replace"] = dense.index(False) if False in dense else len(dense)
     return d
 
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.config import K3Config
-from k3jax.nn.layers import Proj
+from k3jax.nn.layers import KeyGen, Proj
 from k3jax.ops.kda import (causal_conv1d, kda_chunked, kda_gate_lower_bound, kda_gate_softplus, kda_recurrent)
 from k3jax.ops.norm import gated_rms_norm, l2_norm
 
@@ -21,7 +21,7 @@ class KDAttention(nnx.Module):
     γ = gate(f_b(f_a(x)) + dt_bias), β = σ(b(x)); o = KDA(q, k, v, γ, β); o = GN(o, g(x)); out = o_proj(o).
     """
 
-    def __init__(self, cfg: K3Config, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: K3Config, *, keys: KeyGen):
         lac = cfg.linear_attn_config
         H, nh, hd, W = cfg.hidden_size, lac.num_heads, lac.head_dim, lac.short_conv_kernel_size
         dt, std = jnp.dtype(cfg.dtype), cfg.initializer_range
@@ -30,33 +30,33 @@ class KDAttention(nnx.Module):
         self.lower_bound = lac.gate_lower_bound
         self.full_rank_gate = bool(lac.use_full_rank_gate)
         P = nh * hd
-        self.q_proj = Proj(H, (nh, hd), dtype=dt, init_std=std, rngs=rngs)
-        self.k_proj = Proj(H, (nh, hd), dtype=dt, init_std=std, rngs=rngs)
-        self.v_proj = Proj(H, (nh, hd), dtype=dt, init_std=std, rngs=rngs)
+        self.q_proj = Proj(H, (nh, hd), dtype=dt, init_std=std, keys=keys)
+        self.k_proj = Proj(H, (nh, hd), dtype=dt, init_std=std, keys=keys)
+        self.v_proj = Proj(H, (nh, hd), dtype=dt, init_std=std, keys=keys)
         bound = 1.0 / math.sqrt(W)  # PyTorch's default Conv1d init for a depthwise kernel (fan_in = W)
-        conv = lambda: nnx.Param(jax.random.uniform(rngs.params(), (P, W), jnp.float32, -bound, bound))  # noqa: E731
+        conv = lambda: nnx.Param(jax.random.uniform(keys(), (P, W), jnp.float32, -bound, bound))  # noqa: E731
         self.q_conv1d, self.k_conv1d, self.v_conv1d = conv(), conv(), conv()
-        self.f_a_proj = Proj(H, hd, dtype=dt, init_std=std, rngs=rngs)
-        self.f_b_proj = Proj(hd, (nh, hd), dtype=dt, init_std=std, rngs=rngs)
-        self.A_log = nnx.Param(jnp.log(jax.random.uniform(rngs.params(), (nh,), jnp.float32, 1.0, 16.0)))
-        dt0 = jnp.exp(jax.random.uniform(rngs.params(), (nh, hd), jnp.float32, math.log(1e-3), math.log(1e-1)))
+        self.f_a_proj = Proj(H, hd, dtype=dt, init_std=std, keys=keys)
+        self.f_b_proj = Proj(hd, (nh, hd), dtype=dt, init_std=std, keys=keys)
+        self.A_log = nnx.Param(jnp.log(jax.random.uniform(keys(), (nh,), jnp.float32, 1.0, 16.0)))
+        dt0 = jnp.exp(jax.random.uniform(keys(), (nh, hd), jnp.float32, math.log(1e-3), math.log(1e-1)))
         dt0 = jnp.maximum(dt0, 1e-4)
         self.dt_bias = nnx.Param(dt0 + jnp.log(-jnp.expm1(-dt0)))  # softplus⁻¹(dt)
-        self.b_proj = Proj(H, nh, dtype=dt, init_std=std, rngs=rngs)
+        self.b_proj = Proj(H, nh, dtype=dt, init_std=std, keys=keys)
         if self.full_rank_gate:
-            self.g_proj = Proj(H, (nh, hd), dtype=dt, init_std=std, rngs=rngs)
+            self.g_proj = Proj(H, (nh, hd), dtype=dt, init_std=std, keys=keys)
         else:
-            self.g_a_proj = Proj(H, hd, dtype=dt, init_std=std, rngs=rngs)
-            self.g_b_proj = Proj(hd, (nh, hd), dtype=dt, init_std=std, rngs=rngs)
+            self.g_a_proj = Proj(H, hd, dtype=dt, init_std=std, keys=keys)
+            self.g_b_proj = Proj(hd, (nh, hd), dtype=dt, init_std=std, keys=keys)
         self.o_norm = nnx.Param(jnp.ones((hd,), jnp.float32))
-        self.o_proj = Proj((nh, hd), H, dtype=dt, init_std=std, rngs=rngs)
+        self.o_proj = Proj((nh, hd), H, dtype=dt, init_std=std, keys=keys)
 
     def gate(self, x: jax.Array) -> jax.Array:
         """Activated log-decay γ ``[B, T, nh, hd]`` (fp32)."""
         f = self.f_b_proj(self.f_a_proj(x))
         if self.gate_kind == "lower_bound":
-            return kda_gate_lower_bound(f, self.dt_bias.value, self.A_log.value, self.lower_bound)
-        return kda_gate_softplus(f, self.dt_bias.value, self.A_log.value)
+            return kda_gate_lower_bound(f, self.dt_bias[...], self.A_log[...], self.lower_bound)
+        return kda_gate_softplus(f, self.dt_bias[...], self.A_log[...])
 
     def __call__(self, x: jax.Array, *, kernel: str = "chunked") -> jax.Array:
         B, T, _ = x.shape
@@ -64,7 +64,7 @@ class KDAttention(nnx.Module):
 
         def qkv(proj: Proj, w: nnx.Param) -> jax.Array:
             u = proj(x).reshape(B, T, nh * hd)
-            y, _ = causal_conv1d(u, w.value)
+            y, _ = causal_conv1d(u, w[...])
             return y.reshape(B, T, nh, hd)
 
         q, k, v = qkv(self.q_proj, self.q_conv1d), qkv(self.k_proj, self.k_conv1d), qkv(self.v_proj, self.v_conv1d)
@@ -78,5 +78,5 @@ class KDAttention(nnx.Module):
         else:
             raise ValueError(f"kernel: expected 'chunked' or 'recurrent', got {kernel!r}")
         gate = self.g_proj(x) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x))
-        o = gated_rms_norm(o.astype(x.dtype), gate, self.o_norm.value, self.eps)
+        o = gated_rms_norm(o.astype(x.dtype), gate, self.o_norm[...], self.eps)
         return self.o_proj(o)

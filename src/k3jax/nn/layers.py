@@ -10,6 +10,20 @@ import jax.numpy as jnp
 from flax import nnx
 
 
+class KeyGen:
+    """Fresh PRNG keys for parameter init: ``keys()`` → ``fold_in(base, n)`` for n = 0, 1, 2, …
+
+    Cheap under ``jax.eval_shape`` (one traced fold_in per parameter), unlike drawing from ``nnx.Rngs``.
+    """
+
+    def __init__(self, key: jax.Array):
+        self.key, self.count = key, 0
+
+    def __call__(self) -> jax.Array:
+        self.count += 1
+        return jax.random.fold_in(self.key, self.count)
+
+
 class RouterBias(nnx.Variable):
     """Non-trainable state: the MoE selection bias (``e_score_correction_bias``), set by load balancing."""
 
@@ -26,10 +40,10 @@ class Proj(nnx.Module):
     """
 
     def __init__(self, in_shape: int | tuple[int, ...], out_shape: int | tuple[int, ...], *, dtype: jnp.dtype,
-                 init_std: float, rngs: nnx.Rngs):
+                 init_std: float, keys: KeyGen):
         self.in_shape, self.out_shape = as_tuple(in_shape), as_tuple(out_shape)
         shape = self.in_shape + self.out_shape
-        self.kernel = nnx.Param(init_std * jax.random.normal(rngs.params(), shape, jnp.float32).astype(dtype))
+        self.kernel = nnx.Param(init_std * jax.random.normal(keys(), shape, jnp.float32).astype(dtype))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         ni, no = len(self.in_shape), len(self.out_shape)
@@ -37,7 +51,7 @@ class Proj(nnx.Module):
         batch = letters[: x.ndim - ni]
         ins = letters[x.ndim - ni: x.ndim]
         outs = letters[x.ndim: x.ndim + no]
-        return jnp.einsum(f"{batch}{ins},{ins}{outs}->{batch}{outs}", x, self.kernel.value.astype(x.dtype))
+        return jnp.einsum(f"{batch}{ins},{ins}{outs}->{batch}{outs}", x, self.kernel[...].astype(x.dtype))
 
     @property
     def size(self) -> int:
@@ -54,4 +68,4 @@ class RMSNorm(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         from k3jax.ops.norm import rms_norm
 
-        return rms_norm(x, self.weight.value, self.eps)
+        return rms_norm(x, self.weight[...], self.eps)

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.config import K3Config
-from k3jax.nn.layers import Proj, RMSNorm
+from k3jax.nn.layers import KeyGen, Proj, RMSNorm
 from k3jax.ops.attention import mla_attention
 
 LORA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm are built without an eps in the release (spec §3)
@@ -20,7 +20,7 @@ class MLAttention(nnx.Module):
     [k_n | v] = c_kv W_kvb; softmax((q_n·k_n + q_r·k_r)/√(d_n+d_r)) v; optional σ(x W_g) gate; o_proj.
     """
 
-    def __init__(self, cfg: K3Config, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: K3Config, *, keys: KeyGen):
         H, nh = cfg.hidden_size, cfg.num_attention_heads
         dn, dr, dv, r_kv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
         dt, std = jnp.dtype(cfg.dtype), cfg.initializer_range
@@ -28,18 +28,18 @@ class MLAttention(nnx.Module):
         self.scale = (dn + dr) ** -0.5
         self.q_lora = cfg.q_lora_rank is not None
         if self.q_lora:
-            self.q_a_proj = Proj(H, cfg.q_lora_rank, dtype=dt, init_std=std, rngs=rngs)
+            self.q_a_proj = Proj(H, cfg.q_lora_rank, dtype=dt, init_std=std, keys=keys)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LORA_NORM_EPS, dtype=dt)
-            self.q_b_proj = Proj(cfg.q_lora_rank, (nh, dn + dr), dtype=dt, init_std=std, rngs=rngs)
+            self.q_b_proj = Proj(cfg.q_lora_rank, (nh, dn + dr), dtype=dt, init_std=std, keys=keys)
         else:
-            self.q_proj = Proj(H, (nh, dn + dr), dtype=dt, init_std=std, rngs=rngs)
-        self.kv_a_proj_with_mqa = Proj(H, r_kv + dr, dtype=dt, init_std=std, rngs=rngs)
+            self.q_proj = Proj(H, (nh, dn + dr), dtype=dt, init_std=std, keys=keys)
+        self.kv_a_proj_with_mqa = Proj(H, r_kv + dr, dtype=dt, init_std=std, keys=keys)
         self.kv_a_layernorm = RMSNorm(r_kv, LORA_NORM_EPS, dtype=dt)
-        self.kv_b_proj = Proj(r_kv, (nh, dn + dv), dtype=dt, init_std=std, rngs=rngs)
+        self.kv_b_proj = Proj(r_kv, (nh, dn + dv), dtype=dt, init_std=std, keys=keys)
         self.output_gate = bool(cfg.mla_use_output_gate)
         if self.output_gate:
-            self.g_proj = Proj(H, (nh, dv), dtype=dt, init_std=std, rngs=rngs)
-        self.o_proj = Proj((nh, dv), H, dtype=dt, init_std=std, rngs=rngs)
+            self.g_proj = Proj(H, (nh, dv), dtype=dt, init_std=std, keys=keys)
+        self.o_proj = Proj((nh, dv), H, dtype=dt, init_std=std, keys=keys)
 
     def queries(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)

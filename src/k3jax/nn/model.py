@@ -10,7 +10,7 @@ from flax import nnx
 
 from k3jax.config import K3Config
 from k3jax.nn.kda import KDAttention
-from k3jax.nn.layers import Proj, RMSNorm
+from k3jax.nn.layers import KeyGen, Proj, RMSNorm
 from k3jax.nn.mla import MLAttention
 from k3jax.nn.moe import MLP, MoE
 from k3jax.ops.attnres import attnres_mix
@@ -29,22 +29,22 @@ class AttnResSite(nnx.Module):
         self.proj = nnx.Param(jnp.zeros((1, cfg.hidden_size), dt))
 
     def __call__(self, blocks: list[jax.Array], partial: jax.Array) -> jax.Array:
-        return attnres_mix(blocks, partial, self.norm.value, self.proj.value, self.eps)
+        return attnres_mix(blocks, partial, self.norm[...], self.proj[...], self.eps)
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: K3Config, idx: int, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: K3Config, idx: int, *, keys: KeyGen):
         dt = jnp.dtype(cfg.dtype)
         self.idx = idx
         self.kind = cfg.layer_types[idx]
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dt)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dt)
-        self.self_attn = KDAttention(cfg, rngs=rngs) if self.kind == "kda" else MLAttention(cfg, rngs=rngs)
+        self.self_attn = KDAttention(cfg, keys=keys) if self.kind == "kda" else MLAttention(cfg, keys=keys)
         self.is_moe = cfg.is_moe_layer(idx)
         if self.is_moe:
-            self.block_sparse_moe = MoE(cfg, rngs=rngs)
+            self.block_sparse_moe = MoE(cfg, keys=keys)
         else:
-            self.mlp = MLP(cfg, cfg.hidden_size, cfg.intermediate_size, rngs=rngs)
+            self.mlp = MLP(cfg, cfg.hidden_size, cfg.intermediate_size, keys=keys)
         self.attn_res = cfg.attn_res
         if self.attn_res:
             self.block_size = cfg.attn_res_block_size
@@ -91,12 +91,12 @@ class CausalLMOutput(NamedTuple):
 class K3Model(nnx.Module):
     """Embedding → decoder layers (KDA/MLA × dense/MoE, AttnRes stream) → output read → final norm."""
 
-    def __init__(self, cfg: K3Config, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: K3Config, *, keys: KeyGen):
         dt = jnp.dtype(cfg.dtype)
         self.embed_tokens = nnx.Param(
-            (cfg.initializer_range * jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size),
+            (cfg.initializer_range * jax.random.normal(keys(), (cfg.vocab_size, cfg.hidden_size),
                                                        jnp.float32)).astype(dt))
-        self.layers = nnx.List([DecoderLayer(cfg, i, rngs=rngs) for i in range(cfg.num_hidden_layers)])
+        self.layers = nnx.List([DecoderLayer(cfg, i, keys=keys) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dt)
         self.attn_res = cfg.attn_res
         if self.attn_res:
@@ -104,7 +104,7 @@ class K3Model(nnx.Module):
 
     def __call__(self, input_ids: jax.Array, *, segment_ids: jax.Array | None = None, kda_kernel: str = "chunked",
                  moe_grouped: bool = True) -> tuple[jax.Array, list[jax.Array]]:
-        x = jnp.take(self.embed_tokens.value, input_ids, axis=0)
+        x = jnp.take(self.embed_tokens[...], input_ids, axis=0)
         blocks: list[jax.Array] = []
         counts = []
         for layer in self.layers:
@@ -121,12 +121,12 @@ class K3ForCausalLM(nnx.Module):
 
     def __init__(self, cfg: K3Config, *, rngs: nnx.Rngs | None = None):
         cfg.validate()
-        rngs = nnx.Rngs(0) if rngs is None else rngs
+        keys = KeyGen(rngs.params() if rngs is not None else jax.random.key(0))
         self.config = cfg
-        self.model = K3Model(cfg, rngs=rngs)
+        self.model = K3Model(cfg, keys=keys)
         if not cfg.tie_word_embeddings:
             self.lm_head = Proj(cfg.hidden_size, cfg.vocab_size, dtype=jnp.dtype(cfg.dtype),
-                                init_std=cfg.initializer_range, rngs=rngs)
+                                init_std=cfg.initializer_range, keys=keys)
 
     def forward(self, input_ids: jax.Array, *, segment_ids: jax.Array | None = None, kda_kernel: str = "chunked",
                 moe_grouped: bool = True) -> CausalLMOutput:
@@ -136,7 +136,7 @@ class K3ForCausalLM(nnx.Module):
             raise ValueError(f"input_ids: expected integer ids of shape [B, T], got {input_ids.dtype}{input_ids.shape}")
         h, counts = self.model(input_ids, segment_ids=segment_ids, kda_kernel=kda_kernel, moe_grouped=moe_grouped)
         if self.config.tie_word_embeddings:
-            logits = jnp.einsum("btd,vd->btv", h, self.model.embed_tokens.value.astype(h.dtype))
+            logits = jnp.einsum("btd,vd->btv", h, self.model.embed_tokens[...].astype(h.dtype))
         else:
             logits = self.lm_head(h)
         E = self.config.num_experts or 0

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.config import K3Config
-from k3jax.nn.layers import Proj, RMSNorm, RouterBias
+from k3jax.nn.layers import KeyGen, Proj, RMSNorm, RouterBias
 from k3jax.ops.grouped import moe_grouped, moe_per_token
 from k3jax.ops.routing import expert_counts, router_topk
 from k3jax.ops.situ import glu
@@ -24,12 +24,12 @@ def activation(cfg: K3Config):
 class MLP(nnx.Module):
     """Gated MLP ``act(x W_g, x W_u) W_d`` (dense layers and the shared experts)."""
 
-    def __init__(self, cfg: K3Config, hidden: int, intermediate: int, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: K3Config, hidden: int, intermediate: int, *, keys: KeyGen):
         dt, std = jnp.dtype(cfg.dtype), cfg.initializer_range
         self.act = activation(cfg)
-        self.gate_proj = Proj(hidden, intermediate, dtype=dt, init_std=std, rngs=rngs)
-        self.up_proj = Proj(hidden, intermediate, dtype=dt, init_std=std, rngs=rngs)
-        self.down_proj = Proj(intermediate, hidden, dtype=dt, init_std=std, rngs=rngs)
+        self.gate_proj = Proj(hidden, intermediate, dtype=dt, init_std=std, keys=keys)
+        self.up_proj = Proj(hidden, intermediate, dtype=dt, init_std=std, keys=keys)
+        self.down_proj = Proj(intermediate, hidden, dtype=dt, init_std=std, keys=keys)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
@@ -38,11 +38,11 @@ class MLP(nnx.Module):
 class Experts(nnx.Module):
     """Routed experts stacked on a leading expert axis: ``w1, w3 [E, D, I]`` (gate, up), ``w2 [E, I, D]``."""
 
-    def __init__(self, cfg: K3Config, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: K3Config, *, keys: KeyGen):
         E, D, I = cfg.num_experts, cfg.expert_in_dim, cfg.moe_intermediate_size
         dt, std = jnp.dtype(cfg.dtype), cfg.initializer_range
         init = lambda shape: nnx.Param(  # noqa: E731
-            (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dt))
+            (std * jax.random.normal(keys(), shape, jnp.float32)).astype(dt))
         self.w1, self.w3, self.w2 = init((E, D, I)), init((E, D, I)), init((E, I, D))
 
 
@@ -53,7 +53,7 @@ class MoE(nnx.Module):
     Returns ``(y [B, T, hidden], counts [E] int32)``.
     """
 
-    def __init__(self, cfg: K3Config, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: K3Config, *, keys: KeyGen):
         H, E = cfg.hidden_size, cfg.num_experts
         dt, std = jnp.dtype(cfg.dtype), cfg.initializer_range
         self.cfg_route = dict(k=cfg.num_experts_per_token, activation=cfg.moe_router_activation_func,
@@ -63,23 +63,23 @@ class MoE(nnx.Module):
         self.use_bias = cfg.topk_method == "noaux_tc"
         self.num_experts = E
         self.act = activation(cfg)
-        self.gate = Proj(H, E, dtype=dt, init_std=std, rngs=rngs)
+        self.gate = Proj(H, E, dtype=dt, init_std=std, keys=keys)
         self.e_score_correction_bias = RouterBias(jnp.zeros((E,), jnp.float32))
         self.latent = cfg.latent_moe
         if self.latent:
             L = cfg.routed_expert_hidden_size
-            self.routed_expert_down_proj = Proj(H, L, dtype=dt, init_std=std, rngs=rngs)
+            self.routed_expert_down_proj = Proj(H, L, dtype=dt, init_std=std, keys=keys)
             self.routed_expert_norm = RMSNorm(L, cfg.rms_norm_eps, dtype=dt) if cfg.latent_moe_use_norm else None
-            self.routed_expert_up_proj = Proj(L, H, dtype=dt, init_std=std, rngs=rngs)
-        self.experts = Experts(cfg, rngs=rngs)
+            self.routed_expert_up_proj = Proj(L, H, dtype=dt, init_std=std, keys=keys)
+        self.experts = Experts(cfg, keys=keys)
         n_sh = cfg.num_shared_experts
-        self.shared_experts = MLP(cfg, H, n_sh * cfg.moe_intermediate_size, rngs=rngs) if n_sh else None
+        self.shared_experts = MLP(cfg, H, n_sh * cfg.moe_intermediate_size, keys=keys) if n_sh else None
 
     def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """``(weights [N, k] fp32, idx [N, k])`` for ``x [N, hidden]``; router logits in fp32."""
-        logits = jnp.einsum("nd,de->ne", x.astype(jnp.float32), self.gate.kernel.value.astype(jnp.float32),
+        logits = jnp.einsum("nd,de->ne", x.astype(jnp.float32), self.gate.kernel[...].astype(jnp.float32),
                             precision=jax.lax.Precision.HIGHEST)
-        bias = self.e_score_correction_bias.value if self.use_bias else None
+        bias = self.e_score_correction_bias[...] if self.use_bias else None
         return router_topk(logits, bias, **self.cfg_route)
 
     def __call__(self, x: jax.Array, *, grouped: bool = True) -> tuple[jax.Array, jax.Array]:
@@ -89,7 +89,7 @@ class MoE(nnx.Module):
         z = self.routed_expert_down_proj(xf) if self.latent else xf
         ex = self.experts
         fn = moe_grouped if grouped else moe_per_token
-        y = fn(z, idx, w, ex.w1.value, ex.w3.value, ex.w2.value, self.act).astype(x.dtype)
+        y = fn(z, idx, w, ex.w1[...], ex.w3[...], ex.w2[...], self.act).astype(x.dtype)
         if self.latent:
             if self.routed_expert_norm is not None:
                 y = self.routed_expert_norm(y)

@@ -1,0 +1,91 @@
+"""Parameter counts by component, from ``jax.eval_shape`` of the real model (no memory allocated).
+
+Activated parameters follow the convention that reproduces Moonshot's published 104.2B for K3 (spec §10):
+every weight a token touches — all non-routed weights, the top-k routed experts of each MoE layer and the
+lm_head — except the input embedding table (a lookup, not a matmul).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import jax
+from flax import nnx
+
+from k3jax.config import K3Config
+from k3jax.nn.model import K3ForCausalLM
+
+
+@dataclass
+class ParamTable:
+    components: dict[str, int]     # component → parameter count
+    total: int
+    activated: int
+    embedding: int
+    routed_experts: int            # all routed-expert weights
+    routed_experts_active: int     # of which a token uses (top-k per MoE layer)
+
+
+def abstract_model(cfg: K3Config) -> K3ForCausalLM:
+    """The model with ``jax.ShapeDtypeStruct`` leaves (shapes and dtypes only)."""
+    return nnx.eval_shape(lambda: K3ForCausalLM(cfg, rngs=nnx.Rngs(0)))
+
+
+def _component(path: tuple, cfg: K3Config) -> str:
+    if path[0] == "lm_head":
+        return "lm_head"
+    if path[:2] == ("model", "embed_tokens"):
+        return "embedding"
+    if path[1] != "layers":
+        return "final norm + output AttnRes"
+    i, sub = path[2], path[3]
+    if sub == "self_attn":
+        return "KDA layers" if cfg.layer_types[i] == "kda" else "MLA layers"
+    if sub == "mlp":
+        return "dense FFN"
+    if sub == "block_sparse_moe":
+        if path[4] == "experts":
+            return "MoE routed experts"
+        if path[4] == "shared_experts":
+            return "MoE shared experts"
+        if path[4] in ("gate", "e_score_correction_bias"):
+            return "MoE router"
+        return "MoE latent projections + norm"
+    return "layer norms + AttnRes"
+
+
+def parameter_table(cfg: K3Config) -> ParamTable:
+    """Counts for ``cfg`` taken from the abstract model's variables (parameters and the router bias)."""
+    _, state = nnx.split(abstract_model(cfg))
+    comps: dict[str, int] = {}
+    for path, var in nnx.to_flat_state(state):
+        n = math.prod(var.shape)
+        name = _component(path, cfg)
+        comps[name] = comps.get(name, 0) + n
+    total = sum(comps.values())
+    routed = comps.get("MoE routed experts", 0)
+    E, k = cfg.num_experts or 0, cfg.num_experts_per_token or 0
+    routed_active = routed * k // E if E else 0
+    embedding = comps.get("embedding", 0) if not cfg.tie_word_embeddings else 0
+    activated = total - (routed - routed_active) - embedding
+    return ParamTable(comps, total, activated, comps.get("embedding", 0), routed, routed_active)
+
+
+def format_table(cfg: K3Config, name: str = "") -> str:
+    """A readable table of :func:`parameter_table`."""
+    t = parameter_table(cfg)
+    lines = [f"parameters of {name or 'model'} ({cfg.num_hidden_layers} layers: "
+             f"{cfg.layer_types.count('kda')} KDA, {cfg.layer_types.count('mla')} MLA; "
+             f"{len(cfg.moe_layers)} MoE × {cfg.num_experts or 0} experts, top-{cfg.num_experts_per_token or 0})"]
+    w = max(len(c) for c in t.components) + 2
+    for c, n in sorted(t.components.items(), key=lambda kv: -kv[1]):
+        lines.append(f"  {c:<{w}}{n:>22,}  {n / 1e9:>10.3f} B")
+    lines.append(f"  {'total':<{w}}{t.total:>22,}  {t.total / 1e9:>10.3f} B")
+    lines.append(f"  {'activated per token':<{w}}{t.activated:>22,}  {t.activated / 1e9:>10.3f} B"
+                 "   (top-k experts + lm_head, input embedding excluded)")
+    return "\n".join(lines)
+
+
+def count_leaves(tree) -> int:
+    return sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(tree))
