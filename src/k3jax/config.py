@@ -35,7 +35,7 @@ class ConfigError(ValueError):
 _ACTS = ("silu", "situ")
 _ROUTER_ACTS = ("sigmoid", "softmax")
 _TOPK_METHODS = ("noaux_tc", "greedy")
-_DTYPES = ("float32", "bfloat16", "float16")
+_DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 
 @dataclass

@@ -158,9 +158,9 @@ class _Source:
         return self.part(a) if self.part is not None else a
 
 
-def _canonical(key: str, cfg: K3Config, f: SafetensorsFile) -> list[tuple[str, _Source]]:
-    """Release-format name(s) for one stored key (prefix already stripped); fused tensors expand to several."""
-    k = key.replace(".self_attn.forget_gate.", ".self_attn.")
+def _canonical(bare: str, cfg: K3Config, f: SafetensorsFile, key: str) -> list[tuple[str, _Source]]:
+    """Release-format name(s) for the stored ``key`` (``bare``: without the prefix); fused tensors expand."""
+    k = bare.replace(".self_attn.forget_gate.", ".self_attn.")
     k = _ATTNRES_ALT.sub(lambda m: f"{m.group(1)}_{m.group(2)}.weight", k)
     m = _LAYER.match(k)
     if m is not None and int(m.group(1)) < cfg.num_hidden_layers:
@@ -257,7 +257,7 @@ def load_state(path: str | Path, cfg: K3Config) -> dict[tuple, np.ndarray]:
             if bare.startswith(SKIP_PREFIXES):
                 skipped += 1
                 continue
-            for name, src in _canonical(bare, cfg, f):
+            for name, src in _canonical(bare, cfg, f, key):
                 if name not in expected:
                     unknown.append(src.where())
                     continue
@@ -305,6 +305,6 @@ def load_pretrained(path: str | Path, *, dtype: str | None = None) -> K3ForCausa
         if p not in arrays:
             raise CheckpointError(f"internal: parameter {'.'.join(map(str, p))} has no checkpoint tensor")
         a = arrays[p]
-        dt = jnp.float32 if p[-1] in FP32_LEAVES or (len(p) > 1 and p[-2] in FP32_LEAVES) else var.dtype
+        dt = jnp.promote_types(var.dtype, jnp.float32) if p[-1] in FP32_LEAVES or (len(p) > 1 and p[-2] in FP32_LEAVES) else var.dtype
         items.append((p, var.replace(jnp.asarray(a.reshape(var.shape), dtype=dt))))
     return nnx.merge(graphdef, nnx.from_flat_state(items))

@@ -12,6 +12,7 @@ from k3jax.config import K3Config
 from k3jax.nn.layers import KeyGen, Proj
 from k3jax.ops.kda import (causal_conv1d, kda_chunked, kda_gate_lower_bound, kda_gate_softplus, kda_recurrent)
 from k3jax.ops.norm import gated_rms_norm, l2_norm
+from k3jax.ops.precision import acc_dtype
 
 
 class KDAttention(nnx.Module):
@@ -25,6 +26,7 @@ class KDAttention(nnx.Module):
         lac = cfg.linear_attn_config
         H, nh, hd, W = cfg.hidden_size, lac.num_heads, lac.head_dim, lac.short_conv_kernel_size
         dt, std = jnp.dtype(cfg.dtype), cfg.initializer_range
+        f32 = jnp.promote_types(dt, jnp.float32)  # fp32 parameters of the release (fp64 in reference runs)
         self.num_heads, self.head_dim, self.eps = nh, hd, cfg.rms_norm_eps
         self.gate_kind = cfg.kda_gate
         self.lower_bound = lac.gate_lower_bound
@@ -34,12 +36,12 @@ class KDAttention(nnx.Module):
         self.k_proj = Proj(H, (nh, hd), dtype=dt, init_std=std, keys=keys)
         self.v_proj = Proj(H, (nh, hd), dtype=dt, init_std=std, keys=keys)
         bound = 1.0 / math.sqrt(W)  # PyTorch's default Conv1d init for a depthwise kernel (fan_in = W)
-        conv = lambda: nnx.Param(jax.random.uniform(keys(), (P, W), jnp.float32, -bound, bound))  # noqa: E731
+        conv = lambda: nnx.Param(jax.random.uniform(keys(), (P, W), f32, -bound, bound))  # noqa: E731
         self.q_conv1d, self.k_conv1d, self.v_conv1d = conv(), conv(), conv()
         self.f_a_proj = Proj(H, hd, dtype=dt, init_std=std, keys=keys)
         self.f_b_proj = Proj(hd, (nh, hd), dtype=dt, init_std=std, keys=keys)
-        self.A_log = nnx.Param(jnp.log(jax.random.uniform(keys(), (nh,), jnp.float32, 1.0, 16.0)))
-        dt0 = jnp.exp(jax.random.uniform(keys(), (nh, hd), jnp.float32, math.log(1e-3), math.log(1e-1)))
+        self.A_log = nnx.Param(jnp.log(jax.random.uniform(keys(), (nh,), f32, 1.0, 16.0)))
+        dt0 = jnp.exp(jax.random.uniform(keys(), (nh, hd), f32, math.log(1e-3), math.log(1e-1)))
         dt0 = jnp.maximum(dt0, 1e-4)
         self.dt_bias = nnx.Param(dt0 + jnp.log(-jnp.expm1(-dt0)))  # softplus⁻¹(dt)
         self.b_proj = Proj(H, nh, dtype=dt, init_std=std, keys=keys)
@@ -48,7 +50,7 @@ class KDAttention(nnx.Module):
         else:
             self.g_a_proj = Proj(H, hd, dtype=dt, init_std=std, keys=keys)
             self.g_b_proj = Proj(hd, (nh, hd), dtype=dt, init_std=std, keys=keys)
-        self.o_norm = nnx.Param(jnp.ones((hd,), jnp.float32))
+        self.o_norm = nnx.Param(jnp.ones((hd,), jnp.promote_types(dt, jnp.float32)))
         self.o_proj = Proj((nh, hd), H, dtype=dt, init_std=std, keys=keys)
 
     def gate(self, x: jax.Array) -> jax.Array:
@@ -70,7 +72,7 @@ class KDAttention(nnx.Module):
         q, k, v = qkv(self.q_proj, self.q_conv1d), qkv(self.k_proj, self.k_conv1d), qkv(self.v_proj, self.v_conv1d)
         q, k = l2_norm(q), l2_norm(k)
         g = self.gate(x)
-        beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))
+        beta = jax.nn.sigmoid(self.b_proj(x).astype(acc_dtype(x)))
         if kernel == "chunked":
             o, _ = kda_chunked(q, k, v, g, beta, safe_gate=self.gate_kind == "lower_bound")
         elif kernel == "recurrent":

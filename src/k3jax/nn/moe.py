@@ -11,6 +11,7 @@ from flax import nnx
 from k3jax.config import K3Config
 from k3jax.nn.layers import KeyGen, Proj, RMSNorm, RouterBias
 from k3jax.ops.grouped import moe_grouped, moe_per_token
+from k3jax.ops.precision import acc_dtype
 from k3jax.ops.routing import expert_counts, router_topk
 from k3jax.ops.situ import glu
 
@@ -64,7 +65,7 @@ class MoE(nnx.Module):
         self.num_experts = E
         self.act = activation(cfg)
         self.gate = Proj(H, E, dtype=dt, init_std=std, keys=keys)
-        self.e_score_correction_bias = RouterBias(jnp.zeros((E,), jnp.float32))
+        self.e_score_correction_bias = RouterBias(jnp.zeros((E,), jnp.promote_types(dt, jnp.float32)))
         self.latent = cfg.latent_moe
         if self.latent:
             L = cfg.routed_expert_hidden_size
@@ -77,7 +78,8 @@ class MoE(nnx.Module):
 
     def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """``(weights [N, k] fp32, idx [N, k])`` for ``x [N, hidden]``; router logits in fp32."""
-        logits = jnp.einsum("nd,de->ne", x.astype(jnp.float32), self.gate.kernel[...].astype(jnp.float32),
+        f = acc_dtype(x)
+        logits = jnp.einsum("nd,de->ne", x.astype(f), self.gate.kernel[...].astype(f),
                             precision=jax.lax.Precision.HIGHEST)
         bias = self.e_score_correction_bias[...] if self.use_bias else None
         return router_topk(logits, bias, **self.cfg_route)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from k3jax.ops.precision import acc_dtype
+
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
@@ -18,7 +20,7 @@ def mla_attention(q_nope: jax.Array, q_rope: jax.Array, k_nope: jax.Array, k_rop
     Shapes: ``q_nope [B, T, N, Dn]``, ``q_rope [B, T, N, Dr]``, ``k_nope [B, T, N, Dn]``, ``k_rope [B, T, Dr]``,
     ``v [B, T, N, Dv]`` → ``[B, T, N, Dv]`` in ``v.dtype``.
     """
-    f32 = jnp.float32
+    f32 = acc_dtype(q_nope, k_nope, v)
     s = jnp.einsum("btnd,bsnd->bnts", q_nope, k_nope, precision=HIGHEST, preferred_element_type=f32)
     if q_rope.shape[-1]:
         s = s + jnp.einsum("btnd,bsd->bnts", q_rope, k_rope, precision=HIGHEST, preferred_element_type=f32)

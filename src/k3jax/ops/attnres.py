@@ -7,6 +7,8 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
+from k3jax.ops.precision import acc_dtype
+
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
@@ -21,7 +23,7 @@ def attnres_mix(blocks: Sequence[jax.Array], partial: jax.Array, norm_weight: ja
     """
     if len(blocks) == 0:
         return partial
-    f32 = jnp.float32
+    f32 = acc_dtype(partial, *blocks)
     cand = jnp.stack([b.astype(f32) for b in blocks] + [partial.astype(f32)], axis=0)   # [K+1, ..., H]
     w = norm_weight.astype(f32) * proj_weight.reshape(-1).astype(f32)
     inv_rms = jax.lax.rsqrt(jnp.mean(cand * cand, axis=-1) + eps)                      # [K+1, ...]

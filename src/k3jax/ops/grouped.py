@@ -7,6 +7,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from k3jax.ops.precision import acc_dtype
+
 HIGHEST = jax.lax.Precision.HIGHEST
 Act = Callable[[jax.Array, jax.Array], jax.Array]
 
@@ -28,21 +30,23 @@ def moe_grouped(x: jax.Array, idx: jax.Array, weights: jax.Array, w_gate: jax.Ar
     sizes = jnp.zeros((E,), jnp.int32).at[flat].add(1)
     h = act(jax.lax.ragged_dot(xs, w_gate, sizes, precision=HIGHEST),
             jax.lax.ragged_dot(xs, w_up, sizes, precision=HIGHEST))
-    out = jax.lax.ragged_dot(h, w_down, sizes, precision=HIGHEST, preferred_element_type=jnp.float32)
-    wsorted = jnp.take(weights.reshape(-1), order).astype(jnp.float32)
-    return jnp.zeros((N, x.shape[-1]), jnp.float32).at[tok].add(out.astype(jnp.float32) * wsorted[:, None])
+    f = acc_dtype(x)
+    out = jax.lax.ragged_dot(h, w_down, sizes, precision=HIGHEST, preferred_element_type=f)
+    wsorted = jnp.take(weights.reshape(-1), order).astype(f)
+    return jnp.zeros((N, x.shape[-1]), f).at[tok].add(out.astype(f) * wsorted[:, None])
 
 
 def moe_per_token(x: jax.Array, idx: jax.Array, weights: jax.Array, w_gate: jax.Array, w_up: jax.Array,
                   w_down: jax.Array, act: Act) -> jax.Array:
     """Reference for :func:`moe_grouped`: a loop over tokens, each gathering its k experts' weights."""
 
+    f = acc_dtype(x)
+
     def one(args):
         xt, it, wt = args
         g = jnp.einsum("d,kdi->ki", xt, w_gate[it], precision=HIGHEST)
         u = jnp.einsum("d,kdi->ki", xt, w_up[it], precision=HIGHEST)
-        o = jnp.einsum("ki,kid->kd", act(g, u), w_down[it], precision=HIGHEST,
-                       preferred_element_type=jnp.float32)
-        return jnp.sum(o.astype(jnp.float32) * wt.astype(jnp.float32)[:, None], axis=0)
+        o = jnp.einsum("ki,kid->kd", act(g, u), w_down[it], precision=HIGHEST, preferred_element_type=f)
+        return jnp.sum(o.astype(f) * wt.astype(f)[:, None], axis=0)
 
     return jax.lax.map(one, (x, idx, weights))

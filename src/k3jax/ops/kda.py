@@ -21,11 +21,13 @@ import math
 import jax
 import jax.numpy as jnp
 
+from k3jax.ops.precision import acc_dtype
+
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def _mm(spec: str, *xs: jax.Array) -> jax.Array:
-    return jnp.einsum(spec, *xs, precision=HIGHEST, preferred_element_type=jnp.float32)
+    return jnp.einsum(spec, *xs, precision=HIGHEST, preferred_element_type=acc_dtype(*xs))
 
 
 # ----------------------------------------------------------------------------------------------------- gates
@@ -34,14 +36,16 @@ def kda_gate_lower_bound(f: jax.Array, dt_bias: jax.Array, A_log: jax.Array, low
 
     ``f [..., H, K]`` (gate projection output), ``dt_bias [H, K]``, ``A_log [H]``, ``λ ∈ [-5, 0)``.
     """
-    z = f.astype(jnp.float32) + dt_bias.astype(jnp.float32)
-    return lower_bound * jax.nn.sigmoid(jnp.exp(A_log.astype(jnp.float32))[:, None] * z)
+    a = acc_dtype(f)
+    z = f.astype(a) + dt_bias.astype(a)
+    return lower_bound * jax.nn.sigmoid(jnp.exp(A_log.astype(a))[:, None] * z)
 
 
 def kda_gate_softplus(f: jax.Array, dt_bias: jax.Array, A_log: jax.Array) -> jax.Array:
     """Kimi Linear's gate: ``γ = −exp(A_log[h]) · softplus(f + dt_bias)`` ∈ (−∞, 0), in fp32."""
-    z = f.astype(jnp.float32) + dt_bias.astype(jnp.float32)
-    return -jnp.exp(A_log.astype(jnp.float32))[:, None] * jax.nn.softplus(z)
+    a = acc_dtype(f)
+    z = f.astype(a) + dt_bias.astype(a)
+    return -jnp.exp(A_log.astype(a))[:, None] * jax.nn.softplus(z)
 
 
 # -------------------------------------------------------------------------------------------- short conv
@@ -54,10 +58,11 @@ def causal_conv1d(x: jax.Array, weight: jax.Array, state: jax.Array | None = Non
     """
     B, T, C = x.shape
     W = weight.shape[-1]
+    f = acc_dtype(x)
     if state is None:
-        state = jnp.zeros((B, W - 1, C), jnp.float32)
-    xp = jnp.concatenate([state.astype(jnp.float32), x.astype(jnp.float32)], axis=1)  # [B, T+W-1, C]
-    w = weight.astype(jnp.float32)
+        state = jnp.zeros((B, W - 1, C), f)
+    xp = jnp.concatenate([state.astype(f), x.astype(f)], axis=1)  # [B, T+W-1, C]
+    w = weight.astype(f)
     y = sum(xp[:, j:j + T] * w[:, j] for j in range(W))
     if activation == "silu":
         y = jax.nn.silu(y)
@@ -97,7 +102,8 @@ def kda_step(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.A
     Returns ``(o [B, H, V] in v.dtype, new_state [B, H, K, V] fp32)``.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    a = acc_dtype(q, k, v)
+    f32 = lambda x: x.astype(a)  # noqa: E731
     S, o = _step(f32(state), f32(q) * scale, f32(k), f32(v), f32(g), f32(beta))
     return o.astype(v.dtype), S
 
@@ -110,8 +116,9 @@ def kda_recurrent(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: 
     B, T, H, K = q.shape
     V = v.shape[-1]
     scale = K ** -0.5 if scale is None else scale
-    S0 = jnp.zeros((B, H, K, V), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
-    tm = lambda x: jnp.moveaxis(x.astype(jnp.float32), 1, 0)  # noqa: E731  time-major
+    a = acc_dtype(q, k, v)
+    S0 = jnp.zeros((B, H, K, V), a) if initial_state is None else initial_state.astype(a)
+    tm = lambda x: jnp.moveaxis(x.astype(a), 1, 0)  # noqa: E731  time-major
 
     def body(S, xs):
         return _step(S, *xs)
@@ -188,9 +195,10 @@ def kda_chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: ja
     scale = K ** -0.5 if scale is None else scale
     C = max(1, math.ceil(T / n))
     pad = C * n - T
+    a = acc_dtype(q, k, v)
 
     def prep(x):  # [B, T, H, ...] -> [B, H, C, n, ...] fp32, zero padded at the end
-        x = x.astype(jnp.float32)
+        x = x.astype(a)
         if pad:
             x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
         x = jnp.moveaxis(x, 2, 1)
@@ -206,14 +214,14 @@ def kda_chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: ja
 
     k_dec = kc * jnp.exp(b)                                                # K̃ = k ⊙ e^{b}   (≤ |k|)
     rhs = bc[..., None] * jnp.concatenate([vc, k_dec], axis=-1)            # diag(β) [V | K̃]
-    eye = jnp.eye(n, dtype=jnp.float32)
+    eye = jnp.eye(n, dtype=a)
     sol = jax.lax.linalg.triangular_solve(eye + a_kk, rhs, left_side=True, lower=True, unit_diagonal=True)
     u0, w = sol[..., :V], sol[..., V:]                                     # U = u0 − w S₀
     q_dec = qc * jnp.exp(b)                                                # q ⊙ e^{b}
     k_rest = kc * jnp.exp(b_last - b)                                      # k ⊙ e^{b_n − b}
     decay_n = jnp.exp(b_last[..., 0, :])                                   # [B, H, C, K]
 
-    S0 = jnp.zeros((B, H, K, V), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
+    S0 = jnp.zeros((B, H, K, V), a) if initial_state is None else initial_state.astype(a)
     cm = lambda x: jnp.moveaxis(x, 2, 0)  # noqa: E731  chunk-major for the scan
 
     def body(S, xs):

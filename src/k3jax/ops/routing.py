@@ -5,6 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from k3jax.ops.precision import acc_dtype
+
 
 def router_topk(logits: jax.Array, bias: jax.Array | None, k: int, activation: str = "sigmoid",
                 renormalize: bool = True, scaling_factor: float = 1.0, n_group: int = 1,
@@ -15,14 +17,14 @@ def router_topk(logits: jax.Array, bias: jax.Array | None, k: int, activation: s
     ``w / (Σw + 1e-20)`` when ``renormalize`` and k > 1, then ``· scaling_factor``. With ``n_group > 1`` the
     groups whose top-2 biased scores sum highest are kept (``topk_group`` of them), the rest masked.
     """
-    lf = logits.astype(jnp.float32)
+    lf = logits.astype(acc_dtype(logits))
     if activation == "sigmoid":
         s = jax.nn.sigmoid(lf)
     elif activation == "softmax":
         s = jax.nn.softmax(lf, axis=-1)
     else:
         raise ValueError(f"moe_router_activation_func: expected 'sigmoid' or 'softmax', got {activation!r}")
-    choice = s if bias is None else s + bias.astype(jnp.float32)
+    choice = s if bias is None else s + bias.astype(lf.dtype)
     if n_group > 1:
         N, E = choice.shape
         grouped = choice.reshape(N, n_group, E // n_group)

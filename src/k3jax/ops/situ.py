@@ -5,6 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from k3jax.ops.precision import acc_dtype
+
 
 def situ_glu(a: jax.Array, u: jax.Array, beta: float | None = 4.0, beta_lin: float | None = 25.0) -> jax.Array:
     """SiTU-GLU in fp32, cast back to ``a.dtype``.
@@ -12,8 +14,9 @@ def situ_glu(a: jax.Array, u: jax.Array, beta: float | None = 4.0, beta_lin: flo
     ``SiTU(a, u) = [β·tanh(a/β)·σ(a)] · [β_lin·tanh(u/β_lin)]``; ``β=None`` means 1, ``β_lin=None`` leaves ``u``
     uncapped. With both set, ``|SiTU| < β·β_lin`` for any input.
     """
-    af = a.astype(jnp.float32)
-    uf = u.astype(jnp.float32)
+    f = acc_dtype(a, u)
+    af = a.astype(f)
+    uf = u.astype(f)
     b = 1.0 if beta is None else float(beta)
     gate = b * jnp.tanh(af / b) * jax.nn.sigmoid(af)
     up = uf if beta_lin is None else float(beta_lin) * jnp.tanh(uf / float(beta_lin))
