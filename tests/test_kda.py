@@ -1,0 +1,130 @@
+"""KDA paths against each other and against closed forms (fp32 and fp64)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from k3jax.ops.kda import (causal_conv1d, kda_chunked, kda_gate_lower_bound, kda_gate_softplus, kda_recurrent,
+                           kda_step)
+from k3jax.ops.norm import l2_norm
+
+
+def make_inputs(rng, T, gate, B=2, H=3, K=32, V=16, init=False, dtype=np.float32):
+    q = l2_norm(jnp.asarray(rng.normal(size=(B, T, H, K)), dtype))
+    k = l2_norm(jnp.asarray(rng.normal(size=(B, T, H, K)), dtype))
+    v = jnp.asarray(rng.normal(size=(B, T, H, V)), dtype)
+    f = jnp.asarray(rng.normal(size=(B, T, H, K)) * 2, dtype)
+    dt_bias = jnp.asarray(rng.normal(size=(H, K)), dtype)
+    A_log = jnp.asarray(rng.uniform(-1, 1, size=(H,)), dtype)
+    g = kda_gate_lower_bound(f, dt_bias, A_log, -5.0) if gate == "lower_bound" else kda_gate_softplus(f, dt_bias, A_log)
+    beta = jax.nn.sigmoid(jnp.asarray(rng.normal(size=(B, T, H)), dtype))
+    s0 = jnp.asarray(rng.normal(size=(B, H, K, V)), dtype) if init else None
+    return q, k, v, g, beta, s0
+
+
+def rel(a, b):
+    return float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
+
+
+@pytest.mark.parametrize("T", [1, 15, 64, 100, 257])
+@pytest.mark.parametrize("gate", ["lower_bound", "softplus"])
+@pytest.mark.parametrize("init", [False, True])
+def test_chunked_matches_recurrent(rng, T, gate, init):
+    q, k, v, g, beta, s0 = make_inputs(rng, T, gate, init=init)
+    o_ref, s_ref = kda_recurrent(q, k, v, g, beta, initial_state=s0, output_final_state=True)
+    o, s = kda_chunked(q, k, v, g, beta, initial_state=s0, output_final_state=True,
+                       safe_gate=gate == "lower_bound")
+    assert o.shape == v.shape and s.shape == (2, 3, 32, 16)
+    assert rel(o, o_ref) <= 1e-5
+    assert rel(s, s_ref) <= 1e-5
+    # the general (unbounded-gate) diagonal tiles are exact for the bounded gate too
+    o2, _ = kda_chunked(q, k, v, g, beta, initial_state=s0, safe_gate=False)
+    assert rel(o2, o_ref) <= 1e-5
+
+
+def test_lower_bound_gate_range_and_no_overflow(rng):
+    """γ ∈ (−5, 0); a 64-token chunk at the bound spans e^{−320}: the chunked form stays finite and exact."""
+    q, k, v, _, beta, _ = make_inputs(rng, 128, "lower_bound")
+    g = jnp.full(q.shape, -4.999, jnp.float32)
+    o_ref, _ = kda_recurrent(q, k, v, g, beta)
+    o, _ = kda_chunked(q, k, v, g, beta, safe_gate=True)
+    assert bool(jnp.all(jnp.isfinite(o))) and rel(o, o_ref) <= 1e-5
+    f = jnp.asarray(rng.normal(size=(4, 5)) * 50, jnp.float32)
+    gam = kda_gate_lower_bound(f, jnp.zeros((4, 5)), jnp.zeros(4), -5.0)
+    assert bool(jnp.all((gam >= -5) & (gam <= 0)))  # σ saturates in fp32, so the ends are reachable
+
+
+def test_closed_forms_single_token_and_no_decay(rng):
+    """T=1 from zero state: o = β (q·k) v · scale; with g=0, β=1, orthonormal keys the state stores v exactly."""
+    q, k, v, g, beta, _ = make_inputs(rng, 1, "lower_bound")
+    o, s = kda_chunked(q, k, v, g, beta, output_final_state=True)
+    qk = jnp.sum(q * k, -1) * q.shape[-1] ** -0.5
+    np.testing.assert_allclose(o, (beta * qk)[..., None] * v, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(s, jnp.einsum("bhk,bhv->bhkv", beta[:, 0, :, None] * k[:, 0], v[:, 0]), rtol=1e-5,
+                               atol=1e-6)
+    K, V, T = 16, 4, 10
+    keys = jnp.eye(K)[:T][None, :, None, :]                                   # orthonormal keys
+    vals = jnp.asarray(rng.normal(size=(1, T, 1, V)), jnp.float32)
+    _, S = kda_chunked(keys, keys, vals, jnp.zeros((1, T, 1, K)), jnp.ones((1, T, 1)), output_final_state=True)
+    np.testing.assert_allclose(S[0, 0, :T], vals[0, :, 0], rtol=1e-6, atol=1e-6)
+
+
+def test_step_matches_recurrent(rng):
+    q, k, v, g, beta, s0 = make_inputs(rng, 9, "softplus", init=True)
+    o_ref, s_ref = kda_recurrent(q, k, v, g, beta, initial_state=s0, output_final_state=True)
+    s = s0
+    outs = []
+    for t in range(9):
+        o, s = kda_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], s)
+        outs.append(o)
+    np.testing.assert_allclose(jnp.stack(outs, 1), o_ref, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(s, s_ref, rtol=1e-6, atol=1e-6)
+
+
+def test_chunked_in_float64_is_exact(rng, x64):
+    q, k, v, g, beta, s0 = make_inputs(rng, 100, "lower_bound", init=True, dtype=np.float64)
+    o_ref, s_ref = kda_recurrent(q, k, v, g, beta, initial_state=s0, output_final_state=True)
+    o, s = kda_chunked(q, k, v, g, beta, initial_state=s0, output_final_state=True, safe_gate=True)
+    assert o.dtype == jnp.float64
+    assert rel(o, o_ref) <= 1e-12 and rel(s, s_ref) <= 1e-12
+
+
+@pytest.mark.parametrize("gate", ["lower_bound", "softplus"])
+def test_gradients_agree(rng, gate):
+    q, k, v, g, beta, s0 = make_inputs(rng, 100, gate, init=True)
+    w = jnp.asarray(rng.normal(size=v.shape), jnp.float32)
+    ws = jnp.asarray(rng.normal(size=s0.shape), jnp.float32)
+
+    def loss(fn, *args):
+        o, s = fn(*args[:5], initial_state=args[5], output_final_state=True)
+        return jnp.sum(o * w) + jnp.sum(s * ws)
+
+    chunked = lambda *a, **kw: kda_chunked(*a, **kw, safe_gate=gate == "lower_bound")  # noqa: E731
+    g_ref = jax.grad(lambda *a: loss(kda_recurrent, *a), argnums=tuple(range(6)))(q, k, v, g, beta, s0)
+    g_chk = jax.grad(lambda *a: loss(chunked, *a), argnums=tuple(range(6)))(q, k, v, g, beta, s0)
+    for name, a, b in zip("q k v g beta s0".split(), g_chk, g_ref):
+        assert rel(a, b) <= 1e-4, name
+
+
+def test_causal_conv_matches_numpy_and_carries_state(rng):
+    B, T, C, W = 2, 11, 5, 4
+    x = rng.normal(size=(B, T, C)).astype(np.float32)
+    w = rng.normal(size=(C, W)).astype(np.float32)
+    y, st = causal_conv1d(jnp.asarray(x), jnp.asarray(w), activation=None)
+    xp = np.concatenate([np.zeros((B, W - 1, C), np.float32), x], 1)
+    ref = np.stack([sum(w[:, j] * xp[:, t + j] for j in range(W)) for t in range(T)], 1)
+    np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(st, x[:, -(W - 1):])
+    y1, s1 = causal_conv1d(jnp.asarray(x[:, :6]), jnp.asarray(w))
+    y2, _ = causal_conv1d(jnp.asarray(x[:, 6:]), jnp.asarray(w), s1)
+    yfull, _ = causal_conv1d(jnp.asarray(x), jnp.asarray(w))
+    np.testing.assert_allclose(jnp.concatenate([y1, y2], 1), yfull, rtol=1e-6, atol=1e-6)
+
+
+def test_bad_shapes_are_named():
+    z = jnp.zeros((1, 4, 2, 8))
+    with pytest.raises(ValueError, match=r"beta must be \[B, T, H\]"):
+        kda_chunked(z, z, z, z, jnp.zeros((1, 4)))
+    with pytest.raises(ValueError, match=r"initial_state must be \[B, H, K, V\]"):
+        kda_recurrent(z, z, z, z, jnp.zeros((1, 4, 2)), initial_state=jnp.zeros((1, 2, 8)))
