@@ -1,0 +1,159 @@
+"""SiTU, routing, dropless MoE and the LatentMoE block against closed forms and per-token references."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from k3jax import K3Config, K3ForCausalLM
+from k3jax.nn.layers import KeyGen
+from k3jax.nn.moe import MoE, activation
+from k3jax.ops.attnres import attnres_mix
+from k3jax.ops.grouped import moe_grouped, moe_per_token
+from k3jax.ops.routing import router_topk
+from k3jax.ops.situ import situ_glu
+
+any_float = st.floats(allow_nan=False, allow_infinity=True, width=32)
+moderate = st.floats(min_value=-8.0, max_value=8.0, width=32)
+
+
+@settings(max_examples=300, deadline=None)
+@given(a=any_float, u=any_float)
+def test_situ_is_bounded_for_any_input(a, u):
+    """|SiTU(a, u)| < β·β_lin = 100 (fp32 can round tanh and σ to exactly 1 for huge inputs: then ≤)."""
+    y = float(situ_glu(jnp.float32(a), jnp.float32(u), 4.0, 25.0))
+    assert np.isfinite(y) and abs(y) <= 100.0
+
+
+@settings(max_examples=200, deadline=None)
+@given(a=moderate, u=moderate)
+def test_situ_strict_bound_where_nothing_saturates(a, u):
+    assert abs(float(situ_glu(jnp.float32(a), jnp.float32(u), 4.0, 25.0))) < 100.0
+
+
+def test_situ_closed_form_and_gate_minimum():
+    a = np.linspace(-6, 6, 2001).astype(np.float32)
+    u = np.linspace(-90, 90, 2001).astype(np.float32)
+    want = (4 * np.tanh(a / 4) / (1 + np.exp(-a))) * (25 * np.tanh(u / 25))
+    np.testing.assert_allclose(situ_glu(jnp.asarray(a), jnp.asarray(u)), want, rtol=1e-5, atol=1e-5)
+    gate = np.asarray(situ_glu(jnp.asarray(a), jnp.ones_like(a) * 1e9))  # up factor saturates at 25
+    i = int(np.argmin(gate))
+    assert abs(gate[i] / 25 - (-0.270)) < 1e-3 and abs(a[i] - (-1.22)) < 0.01      # spec §7.1
+    # β = None means 1 and β_lin = None leaves the up branch uncapped
+    np.testing.assert_allclose(situ_glu(jnp.asarray(a), jnp.asarray(u), None, None),
+                               np.tanh(a) / (1 + np.exp(-a)) * u, rtol=1e-5, atol=1e-5)
+
+
+def test_bias_changes_selection_but_not_weights(rng):
+    logits = jnp.asarray(rng.normal(size=(64, 16)), jnp.float32)
+    bias = jnp.asarray(rng.normal(size=(16,)) * 2, jnp.float32)
+    w0, i0 = router_topk(logits, None, 4, renormalize=False)
+    w1, i1 = router_topk(logits, bias, 4, renormalize=False)
+    assert bool(jnp.any(jnp.sort(i0, -1) != jnp.sort(i1, -1)))          # the bias moves the choice
+    s = jax.nn.sigmoid(logits)
+    np.testing.assert_allclose(w1, jnp.take_along_axis(s, i1, -1), rtol=1e-6)  # weights = unbiased scores
+    wn, _ = router_topk(logits, bias, 4, renormalize=True, scaling_factor=2.5)
+    np.testing.assert_allclose(jnp.sum(wn, -1), 2.5, rtol=1e-6)
+    # the selected experts are exactly the top-k of s + bias
+    want = np.argsort(-(np.asarray(s) + np.asarray(bias)), -1)[:, :4]
+    np.testing.assert_array_equal(np.sort(i1, -1), np.sort(want, -1))
+
+
+def test_group_limited_selection(rng):
+    logits = jnp.asarray(rng.normal(size=(32, 16)), jnp.float32)
+    _, idx = router_topk(logits, None, 2, n_group=4, topk_group=1)
+    assert bool(jnp.all(idx[:, 0] // 4 == idx[:, 1] // 4))              # both picks from the one kept group
+
+
+def routed(rng, N, E, D, I, k, mode):
+    x = jnp.asarray(rng.normal(size=(N, D)), jnp.float32)
+    logits = jnp.asarray(rng.normal(size=(N, E)), jnp.float32)
+    bias = np.zeros(E, np.float32)
+    if mode == "one_expert":
+        bias[:k] = 100.0                          # every token to the same k experts (expert 0 gets all N)
+    elif mode == "one_rank":
+        bias[: E // 4] = 100.0                    # all tokens to the experts of rank 0 of 4
+    w, idx = router_topk(logits, jnp.asarray(bias), k)
+    ws = [jnp.asarray(rng.normal(size=s) / np.sqrt(s[1]), jnp.float32) for s in ((E, D, I), (E, D, I), (E, I, D))]
+    return x, idx, w, ws
+
+
+@pytest.mark.parametrize("mode", ["random", "one_expert", "one_rank"])
+def test_dropless_grouped_matches_per_token(rng, mode):
+    N, E, D, I, k = 48, 16, 24, 20, 4
+    x, idx, w, (w1, w3, w2) = routed(rng, N, E, D, I, k, mode)
+    if mode == "one_expert":
+        assert int(jnp.sum(idx == 0)) == N
+    act = lambda a, u: situ_glu(a, u, 4.0, 25.0)  # noqa: E731
+    y = moe_grouped(x, idx, w, w1, w3, w2, act)
+    y_ref = moe_per_token(x, idx, w, w1, w3, w2, act)
+    assert float(jnp.max(jnp.abs(y - y_ref))) <= 1e-5 * float(jnp.max(jnp.abs(y_ref)))
+    # and against an explicit dense evaluation of every expert on every token
+    dense = jnp.stack([act(x @ w1[e], x @ w3[e]) @ w2[e] for e in range(E)], 1)          # [N, E, D]
+    y_dense = jnp.sum(jnp.take_along_axis(dense, idx[..., None], 1) * w[..., None], 1)
+    assert float(jnp.max(jnp.abs(y - y_dense))) <= 1e-5 * float(jnp.max(jnp.abs(y_dense)))
+    gx = jax.grad(lambda x_: jnp.sum(moe_grouped(x_, idx, w, w1, w3, w2, act) ** 2))(x)
+    gx_ref = jax.grad(lambda x_: jnp.sum(moe_per_token(x_, idx, w, w1, w3, w2, act) ** 2))(x)
+    assert float(jnp.max(jnp.abs(gx - gx_ref))) <= 1e-5 * float(jnp.max(jnp.abs(gx_ref)))
+
+
+def test_latent_moe_block_closed_form(rng):
+    """y = up(RMSNorm(Σ_j w_j E_j(down x))) + shared(x): router on full-width x, norm between combine and up."""
+    cfg = K3Config.from_preset("test")
+    moe = MoE(cfg, keys=KeyGen(jax.random.key(3)))
+    moe.e_score_correction_bias[...] = jnp.asarray(rng.normal(size=(8,)), jnp.float32)
+    moe.routed_expert_norm.weight[...] = jnp.asarray(rng.uniform(0.5, 1.5, size=(32,)), jnp.float32)
+    x = jnp.asarray(rng.normal(size=(2, 5, 64)), jnp.float32)
+    y, counts = moe(x)
+    xf = np.asarray(x).reshape(10, 64)
+    s = 1 / (1 + np.exp(-(xf @ np.asarray(moe.gate.kernel[...]))))
+    idx = np.argsort(-(s + np.asarray(moe.e_score_correction_bias[...])), -1)[:, :2]
+    w = np.take_along_axis(s, idx, -1)
+    w = w / w.sum(-1, keepdims=True) * cfg.routed_scaling_factor
+    z = xf @ np.asarray(moe.routed_expert_down_proj.kernel[...])
+    act = activation(cfg)
+    e1, e3, e2 = (np.asarray(a[...]) for a in (moe.experts.w1, moe.experts.w3, moe.experts.w2))
+    comb = np.zeros((10, 32), np.float32)
+    for t in range(10):
+        for j in range(2):
+            e = idx[t, j]
+            comb[t] += w[t, j] * (np.asarray(act(jnp.asarray(z[t] @ e1[e]), jnp.asarray(z[t] @ e3[e]))) @ e2[e])
+    normed = comb / np.sqrt((comb ** 2).mean(-1, keepdims=True) + 1e-5) * np.asarray(moe.routed_expert_norm.weight[...])
+    sh = moe.shared_experts
+    shared = np.asarray(act(jnp.asarray(xf @ np.asarray(sh.gate_proj.kernel[...])),
+                            jnp.asarray(xf @ np.asarray(sh.up_proj.kernel[...])))) @ np.asarray(sh.down_proj.kernel[...])
+    want = normed @ np.asarray(moe.routed_expert_up_proj.kernel[...]) + shared
+    np.testing.assert_allclose(np.asarray(y).reshape(10, 64), want, rtol=2e-4, atol=2e-5)
+    np.testing.assert_array_equal(counts, np.bincount(idx.reshape(-1), minlength=8))
+
+
+def test_attnres_mix_closed_form(rng):
+    blocks = [jnp.asarray(rng.normal(size=(3, 8)) * s, jnp.float32) for s in (1.0, 5.0)]
+    p = jnp.asarray(rng.normal(size=(3, 8)), jnp.float32)
+    wn, wp = rng.normal(size=8), rng.normal(size=(1, 8))
+    out = attnres_mix(blocks, p, jnp.asarray(wn), jnp.asarray(wp), 1e-5)
+    cand = np.stack([np.asarray(b, np.float64) for b in blocks] + [np.asarray(p, np.float64)])
+    s = ((cand / np.sqrt((cand ** 2).mean(-1, keepdims=True) + 1e-5)) * (wn * wp[0])).sum(-1)
+    pi = np.exp(s - s.max(0)) / np.exp(s - s.max(0)).sum(0)
+    np.testing.assert_allclose(out, (pi[..., None] * cand).sum(0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(attnres_mix([], p, jnp.asarray(wn), jnp.asarray(wp), 1e-5), p)
+    # zero pseudo-query → uniform average of the candidates
+    np.testing.assert_allclose(attnres_mix(blocks, p, jnp.ones(8), jnp.zeros((1, 8)), 1e-5), cand.mean(0), rtol=1e-6)
+
+
+def test_model_tiny_preset_runs_with_grad():
+    cfg = K3Config.from_preset("tiny")
+    model = K3ForCausalLM(cfg, rngs=nnx.Rngs(0))
+    ids = jnp.tile(jnp.arange(16, dtype=jnp.int32)[None], (2, 1))
+
+    def loss(m):
+        logits = m(ids[:, :-1])
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), ids[:, 1:, None], -1))
+
+    val, grads = nnx.value_and_grad(loss)(model)
+    assert np.isfinite(float(val)) and abs(float(val) - np.log(cfg.vocab_size)) < 1.0
+    gnorm = sum(float(jnp.sum(g ** 2)) for g in jax.tree_util.tree_leaves(grads))
+    assert np.isfinite(gnorm) and gnorm > 0
