@@ -33,6 +33,7 @@ class ConfigError(ValueError):
 
 
 _ACTS = ("silu", "situ")
+RUNTIME_FIELDS = {"expert_dtype", "top_level"}
 _ROUTER_ACTS = ("sigmoid", "softmax")
 _TOPK_METHODS = ("noaux_tc", "greedy")
 _DTYPES = ("float32", "bfloat16", "float16", "float64")
@@ -118,6 +119,11 @@ class K3Config:
     quantization_config: dict[str, Any] | None = None
     use_cache: bool = True
     model_type: str = "kimi_linear"
+    # k3jax runtime choices (not part of the HF config): how routed experts are held — None (same as ``dtype``),
+    # "bfloat16"/"float32"/"float64", or "mxfp4" (packed 4-bit + E8M0 scales, dequantized inside the expert matmul).
+    expert_dtype: str | None = None
+    # The release's top-level fields (architectures, token ids, vision_config…) when read from a kimi_k3 file.
+    top_level: dict[str, Any] | None = field(default=None, repr=False)
     # Everything else found in the file (HF boilerplate such as id2label); kept so a config round-trips.
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -134,7 +140,9 @@ class K3Config:
         if not isinstance(d, dict):
             raise ConfigError(f"{source}: expected a JSON object, got {type(d).__name__}")
         top_type = d.get("model_type")
+        top_level = None
         if "text_config" in d:
+            top_level = {k: v for k, v in d.items() if k != "text_config"}
             if top_type not in (None, "kimi_k3"):
                 raise ConfigError(f"{source}: model_type {top_type!r} with a text_config; expected 'kimi_k3'")
             text = dict(d["text_config"])
@@ -150,9 +158,10 @@ class K3Config:
                 f"{source}: model_type is {mt!r}; k3jax reads 'kimi_k3' (with text_config) or 'kimi_linear'"
             )
         d = _normalise_hf_aliases(d)
-        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        names = {f.name for f in dataclasses.fields(cls)} - {"extra"} - RUNTIME_FIELDS
         known = {k: v for k, v in d.items() if k in names}
         extra = {k: v for k, v in d.items() if k not in names}
+        known["top_level"] = top_level
         if "torch_dtype" in extra and "dtype" not in known:
             known["dtype"] = extra["torch_dtype"]
         if isinstance(known.get("linear_attn_config"), dict):
@@ -190,11 +199,19 @@ class K3Config:
         new.validate("override")
         return new
 
+    def to_release_dict(self) -> dict[str, Any]:
+        """The full ``config.json``: the ``kimi_k3`` wrapper with ``text_config`` when read from one, else the
+        plain ``kimi_linear`` dict."""
+        text = self.to_dict()
+        if self.top_level is None:
+            return text
+        return {**self.top_level, "text_config": text}
+
     def to_dict(self) -> dict[str, Any]:
         """The ``kimi_linear`` text config as a JSON-able dict (HF field names)."""
         d = {}
         for f in dataclasses.fields(self):
-            if f.name == "extra":
+            if f.name == "extra" or f.name in RUNTIME_FIELDS:
                 continue
             v = getattr(self, f.name)
             d[f.name] = v.to_dict() if isinstance(v, LinearAttnConfig) else v
@@ -275,6 +292,12 @@ class K3Config:
             bad("rms_norm_eps", f"expected a number in (0, 1), got {self.rms_norm_eps!r}")
         if self.dtype not in _DTYPES:
             bad("dtype", f"expected one of {_DTYPES}, got {self.dtype!r}")
+        if self.expert_dtype is not None and self.expert_dtype not in _DTYPES + ("mxfp4",):
+            bad("expert_dtype", f"expected one of {_DTYPES + ('mxfp4',)} or null, got {self.expert_dtype!r}")
+        if self.expert_dtype == "mxfp4" and self.num_experts:
+            for name in ("expert_in_dim", "moe_intermediate_size"):
+                if getattr(self, name) % 32:
+                    bad("expert_dtype", f"mxfp4 needs {name}={getattr(self, name)} to be a multiple of 32")
         L = self.num_hidden_layers
 
         # ---- layer schedule

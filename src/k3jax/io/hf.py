@@ -1,4 +1,4 @@
-"""Load unquantized safetensors checkpoints in the K3 release naming (spec §9.2) and transformers' Kimi Linear.
+"""Load safetensors checkpoints in the K3 release naming (spec §9.2, MXFP4 experts) and transformers' Kimi Linear.
 
 Names accepted for the same tensor (all mapped to the release naming, ``language_model.`` prefix optional):
 
@@ -9,19 +9,26 @@ Names accepted for the same tensor (all mapped to the release naming, ``language
 * a dense layer's MLP under ``mlp.*`` or (transformers' save quirk) ``block_sparse_moe.{gate,up,down}_proj``;
 * AttnRes ``{site}_norm.weight`` or ``{site}.norm_weight``.
 
-Loading is strict: every expected tensor exactly once with the expected shape, nothing unknown; vision tower and
-projector tensors are skipped with one log line.
+Loading is strict and all-or-nothing: every header is checked (every expected tensor exactly once, expected shape
+and dtype, nothing unknown) before any data is read, and the model is assembled only when every tensor converted.
+Vision tower and projector tensors are skipped with one log line. A weight is MXFP4 exactly when
+``….weight_packed`` + ``….weight_scale`` exist. Tensors stream one at a time from a memory map straight to their
+device (and ``NamedSharding`` when a mesh is given); routed experts are written in place into a donated stacked
+buffer, so host memory never holds more than one tensor beyond the memory-mapped shard being read.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -29,6 +36,7 @@ from flax import nnx
 from k3jax.config import K3Config
 from k3jax.io.safetensors import CheckpointError, SafetensorsFile
 from k3jax.nn.model import K3ForCausalLM
+from k3jax.ops.mx import GROUP, mxfp4_dequantize_np, mxfp4_quantize
 
 log = logging.getLogger("k3jax.io")
 
@@ -145,13 +153,23 @@ Loader = Callable[[], np.ndarray]
 
 
 class _Source:
-    """Where a release-named tensor comes from: a file, the stored key, and an optional slice of a fused tensor."""
+    """Where a release-named tensor comes from: a file, the stored key, an optional slice of a fused tensor, and
+    for MXFP4 the ``weight_scale`` companion of a ``weight_packed`` key."""
 
     def __init__(self, file: SafetensorsFile, key: str, part: Callable[[np.ndarray], np.ndarray] | None = None):
         self.file, self.key, self.part = file, key, part
+        self.scale: _Source | None = None
 
     def where(self) -> str:
         return f"{self.key!r} in {self.file.path}"
+
+    def shape(self) -> tuple[int, ...]:
+        if self.part is None:
+            return self.file.shape(self.key)
+        return self.part(np.empty(self.file.shape(self.key), np.bool_)).shape
+
+    def dtype(self) -> np.dtype:
+        return self.file.dtype(self.key)
 
     def load(self) -> np.ndarray:
         a = self.file.get(self.key)
@@ -159,7 +177,13 @@ class _Source:
 
 
 def _canonical(bare: str, cfg: K3Config, f: SafetensorsFile, key: str) -> list[tuple[str, _Source]]:
-    """Release-format name(s) for the stored ``key`` (``bare``: without the prefix); fused tensors expand."""
+    """Release-format name(s) for the stored ``key`` (``bare``: without the prefix); fused tensors expand.
+
+    MXFP4 halves keep a ``#packed`` / ``#scale`` suffix on the logical ``….weight`` name until they are paired.
+    """
+    for half in ("packed", "scale"):
+        if bare.endswith(f".weight_{half}"):
+            return [(bare[: -len(f"_{half}")] + f"#{half}", _Source(f, key))]
     k = bare.replace(".self_attn.forget_gate.", ".self_attn.")
     k = _ATTNRES_ALT.sub(lambda m: f"{m.group(1)}_{m.group(2)}.weight", k)
     m = _LAYER.match(k)
@@ -192,51 +216,107 @@ def _canonical(bare: str, cfg: K3Config, f: SafetensorsFile, key: str) -> list[t
     return [(k, _Source(f, key))]
 
 
-def _convert(name: str, spec: Spec, a: np.ndarray, where: str) -> np.ndarray:
-    """Checkpoint layout → parameter layout (before the final reshape to the parameter's shape)."""
-    if not np.issubdtype(a.dtype, np.floating) and a.dtype.name != "bfloat16":
-        raise CheckpointError(f"tensor {name!r} ({where}): dtype {a.dtype}, expected a floating-point tensor")
+def _is_float(dt: np.dtype) -> bool:
+    return np.issubdtype(dt, np.floating) or dt.name == "bfloat16"
+
+
+def _check_header(name: str, spec: Spec, src: _Source, cfg: K3Config) -> None:
+    """Shape and dtype checks that need no data (run for every tensor before anything is read)."""
+    shape, dt = tuple(src.shape()), src.dtype()
+    if src.scale is not None:                                   # MXFP4 pair
+        o, i = spec.shape
+        sshape, sdt = tuple(src.scale.shape()), src.scale.dtype()
+        if dt != np.uint8 or sdt != np.uint8:
+            raise CheckpointError(f"tensor {name!r}: weight_packed ({src.where()}) and weight_scale "
+                                  f"({src.scale.where()}) must be U8, got {dt} / {sdt}")
+        if i % GROUP or shape != (o, i // 2) or sshape != (o, i // GROUP):
+            raise CheckpointError(f"tensor {name!r}: weight_packed {list(shape)} ({src.where()}) / weight_scale "
+                                  f"{list(sshape)} do not match the config's logical [{o}, {i}]: expected "
+                                  f"[{o}, {i // 2}] / [{o}, {i // GROUP}]")
+        return
+    if not _is_float(dt):
+        raise CheckpointError(f"tensor {name!r} ({src.where()}): dtype {dt}, expected a floating-point tensor")
+    if spec.kind == "A_log":
+        nh = spec.shape[0]
+        n = int(np.prod(shape))
+        if not (len(shape) == 1 and n >= nh) and shape != (1, 1, nh, 1):
+            raise CheckpointError(f"tensor {name!r} ({src.where()}): shape {list(shape)}, expected [{nh}], a "
+                                  f"zero-padded [N>{nh}] or [1, 1, {nh}, 1]")
+    elif shape != spec.shape:
+        raise CheckpointError(f"tensor {name!r} ({src.where()}): shape {list(shape)}, expected {list(spec.shape)}")
+
+
+def _convert(name: str, spec: Spec, src: _Source, target: str) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+    """Read one tensor and bring it to the parameter layout. For experts ``target`` is the expert dtype:
+    ``"mxfp4"`` returns ``(packed, scale)`` in the PyTorch layout, anything else a dense ``[in, out]`` array."""
+    if src.scale is not None:
+        packed, scale = src.load(), src.scale.load()
+        if np.any(scale == 255):
+            o, g = np.argwhere(scale == 255)[0]
+            raise CheckpointError(f"tensor {name!r}: weight_scale byte 255 (NaN in E8M0) at [{o}, {g}] "
+                                  f"({src.scale.where()})")
+        if target == "mxfp4":
+            return packed, scale
+        return mxfp4_dequantize_np(packed, scale, np.float32).T
+    a = src.load()
     if spec.kind == "A_log":
         nh = spec.shape[0]
         flat = a.reshape(-1)
-        if a.ndim not in (1, 4) or flat.size < nh or (a.ndim == 4 and flat.size != a.shape[2]):
-            raise CheckpointError(f"tensor {name!r} ({where}): shape {list(a.shape)}, expected [{nh}], a zero-padded "
-                                  f"[N>{nh}] or [1, 1, {nh}, 1]")
         if np.any(flat[nh:] != 0):
-            raise CheckpointError(f"tensor {name!r} ({where}): padding entries A_log[{nh}:] must be zero")
+            raise CheckpointError(f"tensor {name!r} ({src.where()}): padding entries A_log[{nh}:] must be zero")
         return flat[:nh]
-    if tuple(a.shape) != spec.shape:
-        raise CheckpointError(f"tensor {name!r} ({where}): shape {list(a.shape)}, expected {list(spec.shape)}")
-    if spec.kind in ("linear", "expert"):
+    if spec.kind == "expert":
+        return mxfp4_quantize(a) if target == "mxfp4" else a.T
+    if spec.kind == "linear":
         return a.T
     if spec.kind == "conv":
         return a[:, 0, :]
     return a
 
 
-def checkpoint_files(path: Path) -> list[Path]:
-    """The safetensors files of a checkpoint directory (via ``model.safetensors.index.json`` when present)."""
+def checkpoint_files(path: Path) -> tuple[list[Path], dict[str, str] | None]:
+    """The safetensors files of a checkpoint directory and the index's weight map (when there is an index)."""
     index = path / "model.safetensors.index.json"
     if index.exists():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise CheckpointError(f"{index}: not a safetensors index ({e})") from None
-        files = sorted(set(weight_map.values()))
+            files = sorted(set(weight_map.values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{index}: not a safetensors index ({type(e).__name__}: {e})") from None
         missing = [f for f in files if not (path / f).exists()]
         if missing:
             raise CheckpointError(f"{index}: names {missing[:3]} which do not exist in {path}")
-        return [path / f for f in files]
+        return [path / f for f in files], weight_map
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{path}: no *.safetensors files")
-    return files
+    return files, None
 
 
-def load_state(path: str | Path, cfg: K3Config) -> dict[tuple, np.ndarray]:
-    """Read and convert every expected tensor: parameter path → numpy array (parameter layout, file dtype)."""
+@dataclass
+class LoadPlan:
+    """Every expected tensor's source, validated from the headers alone."""
+
+    cfg: K3Config
+    expected: dict[str, Spec]
+    sources: dict[str, _Source]
+    files: list[SafetensorsFile]
+    prefixed: bool
+    mxfp4: bool                       # the checkpoint stores routed experts packed
+
+
+def plan_load(path: str | Path, cfg: K3Config) -> LoadPlan:
+    """Open every shard's header and match its tensors to the config; raise on anything missing, duplicated,
+    unknown, misshapen or of the wrong dtype before a single tensor is read."""
     path = Path(path)
-    files = [SafetensorsFile(p) for p in checkpoint_files(path)]
+    paths, weight_map = checkpoint_files(path)
+    files = [SafetensorsFile(p) for p in paths]
+    if weight_map is not None:
+        by_name = {f.path.name: f for f in files}
+        for key, fname in weight_map.items():
+            if key not in by_name[fname].keys():
+                raise CheckpointError(f"{path / 'model.safetensors.index.json'}: lists tensor {key!r} in {fname}, "
+                                      f"which does not contain it")
     all_keys = [k for f in files for k in f.keys()]
     prefixed = any(k.startswith(PREFIX) for k in all_keys)
     expected = expected_tensors(cfg)
@@ -250,61 +330,135 @@ def load_state(path: str | Path, cfg: K3Config) -> dict[tuple, np.ndarray]:
                 if not key.startswith(PREFIX):
                     if key.startswith(SKIP_PREFIXES):
                         skipped += 1
-                        continue
-                    unknown.append(f"{key!r} in {f.path}")
+                    else:
+                        unknown.append(f"{key!r} in {f.path}")
                     continue
                 bare = key[len(PREFIX):]
             if bare.startswith(SKIP_PREFIXES):
                 skipped += 1
                 continue
             for name, src in _canonical(bare, cfg, f, key):
-                if name not in expected:
+                logical = name.split("#")[0]
+                if logical not in expected:
                     unknown.append(src.where())
                     continue
                 if name in found:
-                    raise CheckpointError(f"tensor {name!r} appears twice: {found[name].where()} and {src.where()}")
+                    raise CheckpointError(f"tensor {name.replace('#', '_')!r} appears twice: {found[name].where()} "
+                                          f"and {src.where()}")
                 found[name] = src
     if skipped:
         log.info("skipped %d vision_tower/mm_projector tensors (text model only)", skipped)
     if unknown:
         raise CheckpointError(f"{len(unknown)} tensors the config does not expect, e.g. {unknown[:3]} "
                               f"(config: {path / 'config.json'})")
+    # pair MXFP4 halves
+    mx = False
+    for name in [n for n in found if n.endswith("#packed")]:
+        logical = name[: -len("#packed")]
+        scale = found.pop(logical + "#scale", None)
+        packed = found.pop(name)
+        if scale is None:
+            raise CheckpointError(f"tensor {logical + '_packed'!r} ({packed.where()}) has no matching weight_scale")
+        if logical in found:
+            raise CheckpointError(f"tensor {logical!r} appears twice: {found[logical].where()} and {packed.where()}")
+        if expected[logical].kind != "expert":
+            raise CheckpointError(f"tensor {logical!r} ({packed.where()}) is MXFP4, but only routed experts may be")
+        packed.scale = scale
+        found[logical] = packed
+        mx = True
+    orphans = [n for n in found if n.endswith("#scale")]
+    if orphans:
+        raise CheckpointError(f"weight_scale without weight_packed: {found[orphans[0]].where()}")
     missing = [n for n in expected if n not in found]
     if missing:
         raise CheckpointError(f"{len(missing)} expected tensors missing from {path}, e.g. "
                               f"{[PREFIX + m if prefixed else m for m in missing[:3]]}")
-    params: dict[tuple, np.ndarray] = {}
-    experts: dict[tuple, list[np.ndarray | None]] = {}
     for name, spec in expected.items():
-        src = found[name]
-        a = _convert(name, spec, src.load(), src.where())
-        if spec.kind == "expert":
-            experts.setdefault(spec.param, [None] * cfg.num_experts)[spec.expert] = a
-        else:
-            params[spec.param] = a
-    for p, lst in experts.items():
-        params[p] = np.stack(lst)
-    for f in files:
-        f.close()
-    return params
+        _check_header(name, spec, found[name], cfg)
+    return LoadPlan(cfg, expected, found, files, prefixed, mx)
 
 
-def load_pretrained(path: str | Path, *, dtype: str | None = None) -> K3ForCausalLM:
-    """``config.json`` + safetensors → :class:`K3ForCausalLM` (``dtype`` overrides the config's ``dtype``)."""
+@functools.partial(jax.jit, donate_argnums=0)
+def _set_expert(buf: jax.Array, row: jax.Array, e: jax.Array) -> jax.Array:
+    return jax.lax.dynamic_update_index_in_dim(buf, row.astype(buf.dtype), e, 0)
+
+
+def _progress(total: int, enabled: bool | None, label: str):
+    """A rich progress bar over shards (on a terminal, or when asked)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    enabled = sys.stderr.isatty() if enabled is None else enabled
+    p = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                 disable=not enabled, transient=False)
+    return p, p.add_task(label, total=total)
+
+
+def load_pretrained(path: str | Path, *, dtype: str | None = None, expert_dtype: str | None = None,
+                    mesh: jax.sharding.Mesh | None = None, progress: bool | None = None) -> K3ForCausalLM:
+    """``config.json`` + safetensors → :class:`K3ForCausalLM`.
+
+    ``dtype`` overrides the config's activation/parameter dtype; ``expert_dtype`` chooses how routed experts are
+    held: ``"bfloat16"``/``"float32"`` (dequantized) or ``"mxfp4"`` (packed, ~4.25 bits per weight, dequantized
+    inside the expert matmul). Default: ``"mxfp4"`` when the checkpoint stores MXFP4 experts, else ``dtype``.
+    With a ``mesh``, every tensor is placed straight into its ``NamedSharding`` (rules in :mod:`k3jax.parallel`).
+    """
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a checkpoint directory")
     cfg = K3Config.from_json(path / "config.json")
     if dtype is not None:
         cfg = cfg.replace(dtype=dtype)
-    arrays = load_state(path, cfg)
+    plan = plan_load(path, cfg)
+    if expert_dtype is None and plan.mxfp4:
+        expert_dtype = "mxfp4"
+    if expert_dtype is not None:
+        cfg = cfg.replace(expert_dtype=expert_dtype)
+    target_experts = cfg.expert_dtype or cfg.dtype
+
     abstract = nnx.eval_shape(lambda: K3ForCausalLM(cfg, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
+    targets = {p: var for p, var in nnx.to_flat_state(state)}
+
+    def sharding_of(p: tuple, shape: tuple[int, ...]):
+        if mesh is None:
+            return jax.devices()[0]
+        from k3jax.parallel.rules import param_sharding
+
+        return param_sharding(p, shape, mesh)
+
+    def place(p: tuple, a: np.ndarray) -> jax.Array:
+        var = targets[p]
+        dt = var.dtype
+        if a.dtype != np.uint8 and (p[-1] in FP32_LEAVES or (len(p) > 1 and p[-2] in FP32_LEAVES)):
+            dt = jnp.promote_types(var.dtype, jnp.float32)
+        return jax.device_put(np.asarray(a, dtype=dt).reshape(var.shape), sharding_of(p, var.shape))
+
+    values: dict[tuple, jax.Array] = {}
+    by_file: dict[Path, list[str]] = {}
+    for name, src in plan.sources.items():
+        by_file.setdefault(src.file.path, []).append(name)
+    bar, task = _progress(len(plan.files), progress, f"loading {path.name}")
+    with bar:
+        for f in plan.files:
+            for name in by_file.get(f.path, []):
+                spec, src = plan.expected[name], plan.sources[name]
+                a = _convert(name, spec, src, target_experts)
+                if spec.kind != "expert":
+                    values[spec.param] = place(spec.param, a)
+                    continue
+                parts = {spec.param: a} if not isinstance(a, tuple) else {
+                    spec.param[:-1] + (spec.param[-1] + "_packed",): a[0],
+                    spec.param[:-1] + (spec.param[-1] + "_scale",): a[1]}
+                for p, arr in parts.items():
+                    if p not in values:
+                        var = targets[p]
+                        values[p] = jax.device_put(jnp.zeros(var.shape, var.dtype), sharding_of(p, var.shape))
+                    values[p] = _set_expert(values[p], jnp.asarray(arr), jnp.int32(spec.expert))
+            f.close()
+            bar.advance(task)
     items = []
-    for p, var in nnx.to_flat_state(state):
-        if p not in arrays:
+    for p, var in targets.items():
+        if p not in values:
             raise CheckpointError(f"internal: parameter {'.'.join(map(str, p))} has no checkpoint tensor")
-        a = arrays[p]
-        dt = jnp.promote_types(var.dtype, jnp.float32) if p[-1] in FP32_LEAVES or (len(p) > 1 and p[-2] in FP32_LEAVES) else var.dtype
-        items.append((p, var.replace(jnp.asarray(a.reshape(var.shape), dtype=dt))))
+        items.append((p, var.replace(values[p])))
     return nnx.merge(graphdef, nnx.from_flat_state(items))

@@ -24,6 +24,10 @@ class KeyGen:
         return jax.random.fold_in(self.key, self.count)
 
 
+class PackedWeight(nnx.Variable):
+    """Non-trainable packed storage (MXFP4 ``weight_packed`` / ``weight_scale`` bytes)."""
+
+
 class RouterBias(nnx.Variable):
     """Non-trainable state: the MoE selection bias (``e_score_correction_bias``), set by load balancing."""
 

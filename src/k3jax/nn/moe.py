@@ -9,8 +9,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.config import K3Config
-from k3jax.nn.layers import KeyGen, Proj, RMSNorm, RouterBias
+from k3jax.nn.layers import KeyGen, PackedWeight, Proj, RMSNorm, RouterBias
 from k3jax.ops.grouped import moe_grouped, moe_per_token
+from k3jax.ops.mx import mxfp4_dequantize
 from k3jax.ops.precision import acc_dtype
 from k3jax.ops.routing import expert_counts, router_topk
 from k3jax.ops.situ import glu
@@ -37,14 +38,50 @@ class MLP(nnx.Module):
 
 
 class Experts(nnx.Module):
-    """Routed experts stacked on a leading expert axis: ``w1, w3 [E, D, I]`` (gate, up), ``w2 [E, I, D]``."""
+    """Routed experts stacked on a leading expert axis: ``w1, w3 [E, D, I]`` (gate, up), ``w2 [E, I, D]``.
+
+    With ``expert_dtype="mxfp4"`` they are held as the release stores them — ``{w}_packed [E, O, I/2]`` and
+    ``{w}_scale [E, O, I/32]`` uint8 in the PyTorch ``[out, in]`` layout — and dequantized inside the jitted expert
+    matmul (groups along the input axis, dequantized before the transpose).
+    """
 
     def __init__(self, cfg: K3Config, *, keys: KeyGen):
         E, D, I = cfg.num_experts, cfg.expert_in_dim, cfg.moe_intermediate_size
         dt, std = jnp.dtype(cfg.dtype), cfg.initializer_range
+        self.packed = cfg.expert_dtype == "mxfp4"
+        if self.packed:
+            for name, (o, i) in (("w1", (I, D)), ("w3", (I, D)), ("w2", (D, I))):
+                w = std * jax.random.normal(keys(), (E, o, i), jnp.float32)
+                p, s = _quantize_jnp(w)
+                setattr(self, f"{name}_packed", PackedWeight(p))
+                setattr(self, f"{name}_scale", PackedWeight(s))
+            return
+        edt = jnp.dtype(cfg.expert_dtype or cfg.dtype)
         init = lambda shape: nnx.Param(  # noqa: E731
-            (std * jax.random.normal(keys(), shape, jnp.float32)).astype(dt))
+            (std * jax.random.normal(keys(), shape, jnp.float32)).astype(edt))
         self.w1, self.w3, self.w2 = init((E, D, I)), init((E, D, I)), init((E, I, D))
+
+    def weights(self, dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """``(w1, w3 [E, D, I], w2 [E, I, D])`` in ``dtype`` (dequantized when packed)."""
+        if not self.packed:
+            return self.w1[...].astype(dtype), self.w3[...].astype(dtype), self.w2[...].astype(dtype)
+        deq = lambda n: jnp.swapaxes(  # noqa: E731
+            mxfp4_dequantize(getattr(self, f"{n}_packed")[...], getattr(self, f"{n}_scale")[...], dtype), -1, -2)
+        return deq("w1"), deq("w3"), deq("w2")
+
+
+def _quantize_jnp(w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Traceable MXFP4 quantization for random init of packed experts (same rule as ``ops.mx.mxfp4_quantize``)."""
+    g = w.reshape(*w.shape[:-1], -1, 32)
+    amax = jnp.max(jnp.abs(g), -1)
+    m, e = jnp.frexp(amax / 4.0)
+    exp = jnp.where(amax > 0, e - 1 + (2 * m >= 1.5), -127).astype(jnp.int32)
+    x = g / jnp.ldexp(jnp.float32(1.0), exp)[..., None]
+    mags = jnp.asarray([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    code = jnp.argmin(jnp.abs(jnp.minimum(jnp.abs(x), 6.0)[..., None] - mags), -1).astype(jnp.uint8)
+    code = (code | jnp.where((x < 0) & (code > 0), 8, 0).astype(jnp.uint8)).reshape(w.shape)
+    packed = code[..., 0::2] | (code[..., 1::2] << 4)
+    return packed.astype(jnp.uint8), (exp + 127).astype(jnp.uint8)
 
 
 class MoE(nnx.Module):
@@ -89,9 +126,8 @@ class MoE(nnx.Module):
         xf = x.reshape(B * T, H)
         w, idx = self.route(xf)
         z = self.routed_expert_down_proj(xf) if self.latent else xf
-        ex = self.experts
         fn = moe_grouped if grouped else moe_per_token
-        y = fn(z, idx, w, ex.w1[...], ex.w3[...], ex.w2[...], self.act).astype(x.dtype)
+        y = fn(z, idx, w, *self.experts.weights(z.dtype), self.act).astype(x.dtype)
         if self.latent:
             if self.routed_expert_norm is not None:
                 y = self.routed_expert_norm(y)
