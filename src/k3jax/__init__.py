@@ -4,12 +4,19 @@ from k3jax.config import ConfigError, K3Config, LinearAttnConfig, preset_names
 from k3jax.nn.model import CausalLMOutput, K3ForCausalLM
 
 __all__ = ["ConfigError", "K3Config", "LinearAttnConfig", "preset_names", "CausalLMOutput", "K3ForCausalLM",
-           "load_pretrained"]
+           "load_pretrained", "save_pretrained"]
 __version__ = "0.1.0"
 
 
 def load_pretrained(path, **kw):
-    """Load a K3 release or Kimi Linear checkpoint directory (``config.json`` + safetensors) → model."""
+    """Load a K3 release or Kimi Linear checkpoint directory (see :func:`k3jax.io.hf.load_pretrained`)."""
     from k3jax.io.hf import load_pretrained as _load
 
     return _load(path, **kw)
+
+
+def save_pretrained(model, path, **kw):
+    """Write the release checkpoint format (see :func:`k3jax.io.export.save_pretrained`)."""
+    from k3jax.io.export import save_pretrained as _save
+
+    return _save(model, path, **kw)

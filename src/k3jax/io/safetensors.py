@@ -83,3 +83,37 @@ class SafetensorsFile:
 
     def close(self) -> None:
         self._mmap = None
+
+
+_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+def write_safetensors(path: str | Path, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> int:
+    """Write ``tensors`` (C-order numpy arrays, bf16 via ml_dtypes) as one safetensors file; returns its size.
+
+    Keys are written in sorted order with 8-byte aligned data, like the reference writer. Written to a temporary
+    name and renamed, so a crash never leaves a truncated file under the final name.
+    """
+    path = Path(path)
+    header: dict[str, object] = {}
+    offset = 0
+    order = sorted(tensors)
+    for k in order:
+        a = tensors[k]
+        if a.dtype not in _NAMES:
+            raise CheckpointError(f"{path}: tensor {k!r}: dtype {a.dtype} cannot be stored in safetensors")
+        n = a.nbytes
+        header[k] = {"dtype": _NAMES[a.dtype], "shape": list(a.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for k in order:
+            f.write(np.ascontiguousarray(tensors[k]).tobytes())
+    tmp.replace(path)
+    return 8 + len(raw) + offset
