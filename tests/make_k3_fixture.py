@@ -3,6 +3,10 @@
 write_random_k3_checkpoint(dir, text_config, seed, prefix=True) writes
   dir/config.json        {"model_type": "kimi_k3", "architectures": [...], "text_config": ...}
   dir/model.safetensors  float32 tensors, unquantized experts (experts.{e}.w{1,2,3}.weight)
+
+write_release_pair(mx_dir, dense_dir, text_config, seed, shards) writes the same random model twice, split over
+`shards` files with a model.safetensors.index.json: once with MXFP4 experts (random E2M1 codes and E8M0 scales,
+packed here from the spec's words, independently of k3jax's exporter) and once with those experts dequantized.
 """
 
 from __future__ import annotations
@@ -13,7 +17,81 @@ import os
 import numpy as np
 from safetensors.numpy import save_file
 
-__all__ = ["write_random_k3_checkpoint"]
+__all__ = ["write_random_k3_checkpoint", "write_release_pair", "E2M1_SPEC", "pack_spec", "dequant_spec"]
+
+# spec §9.3: bit 3 = sign, bits 0-2 index these magnitudes
+E2M1_SPEC = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+
+
+def pack_spec(codes):
+    """codes uint8 [O, I] (values 0..15) -> weight_packed [O, I/2]: element 2j low nibble, 2j+1 high nibble."""
+    O, I = codes.shape
+    out = np.zeros((O, I // 2), np.uint8)
+    for j in range(I // 2):
+        out[:, j] = codes[:, 2 * j] | (codes[:, 2 * j + 1] << 4)
+    return out
+
+
+def dequant_spec(codes, scale):
+    """W[o, i] = E2M1(code[o, i]) * 2**(scale[o, i // 32] - 127), written out element-wise."""
+    O, I = codes.shape
+    w = np.zeros((O, I), np.float64)
+    for o in range(O):
+        for i in range(I):
+            c = int(codes[o, i])
+            mag = E2M1_SPEC[c & 7]
+            w[o, i] = (-mag if c & 8 else mag) * 2.0 ** (int(scale[o, i // 32]) - 127)
+    return w.astype(np.float32)
+
+
+def _write_shards(dir, tensors, shards):
+    keys = list(tensors)
+    if shards <= 1:
+        save_file(tensors, os.path.join(dir, "model.safetensors"))
+        return
+    per = -(-len(keys) // shards)
+    weight_map = {}
+    for k in range(shards):
+        name = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
+        part = {key: tensors[key] for key in keys[k * per:(k + 1) * per]}
+        save_file(part, os.path.join(dir, name))
+        weight_map.update({key: name for key in part})
+    with open(os.path.join(dir, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": int(sum(t.nbytes for t in tensors.values()))},
+                   "weight_map": weight_map}, f)
+
+
+def write_release_pair(mx_dir, dense_dir, text_config, seed, shards=3):
+    """The same random model as an MXFP4 release checkpoint (mx_dir) and with dequantized experts (dense_dir)."""
+    write_random_k3_checkpoint(dense_dir, text_config, seed)
+    from safetensors.numpy import load_file
+
+    dense = load_file(os.path.join(dense_dir, "model.safetensors"))
+    os.remove(os.path.join(dense_dir, "model.safetensors"))
+    rng = np.random.default_rng(seed + 1000)
+    mx = {}
+    for k in list(dense):
+        if ".experts." in k and k.endswith(".weight"):
+            O, I = dense[k].shape
+            codes = rng.integers(0, 16, size=(O, I)).astype(np.uint8)
+            scale = rng.integers(120, 128, size=(O, I // 32)).astype(np.uint8)
+            mx[k[: -len("weight")] + "weight_packed"] = pack_spec(codes)
+            mx[k[: -len("weight")] + "weight_scale"] = scale
+            dense[k] = dequant_spec(codes, scale)
+        else:
+            mx[k] = dense[k]
+    os.makedirs(mx_dir, exist_ok=True)
+    with open(os.path.join(dense_dir, "config.json")) as f:
+        top = json.load(f)
+    top["text_config"]["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "group_size": 32,
+                                                                           "type": "float"}}}}
+    with open(os.path.join(mx_dir, "config.json"), "w") as f:
+        json.dump(top, f, indent=2)
+    _write_shards(dense_dir, dense, shards)
+    _write_shards(mx_dir, mx, shards)
+    return mx_dir, dense_dir
 
 
 def write_random_k3_checkpoint(dir, text_config, seed, prefix=True):

@@ -1,4 +1,4 @@
-"""``k3jax`` command line: ``demo`` and ``params`` (more subcommands arrive with training and inference)."""
+"""``k3jax`` command line: ``demo``, ``params``, ``inspect``, ``convert``."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from rich.table import Table
 
 from k3jax.config import ConfigError, K3Config, preset_names
 
-console = Console()
+console = Console(width=None if sys.stdout.isatty() else 120)
 
 DEMO_SENTENCE = "Kimi Delta Attention keeps a fixed-size state, so the cache does not grow with the context."
 
@@ -22,10 +22,12 @@ def _load_config(name_or_path: str) -> K3Config:
     return K3Config.from_json(name_or_path)
 
 
-def params_table(cfg: K3Config, title: str) -> Table:
-    from k3jax.params import parameter_table
+def params_table(cfg: K3Config, title: str, counts=None) -> Table:
+    from k3jax.params import ParamTable, parameter_table
 
-    t = parameter_table(cfg)
+    t = counts if counts is not None else parameter_table(cfg)
+    if isinstance(t, dict):
+        t = ParamTable(t["components"], t["total_params"], t["activated_params"], 0, t["routed_expert_params"], 0)
     table = Table(title=title, title_justify="left")
     table.add_column("component")
     table.add_column("parameters", justify="right")
@@ -36,13 +38,75 @@ def params_table(cfg: K3Config, title: str) -> Table:
     table.add_row("[bold]total[/bold]", f"[bold]{t.total:,}[/bold]", f"{t.total / 1e9:.3f}")
     table.add_row("activated per token", f"{t.activated:,}", f"{t.activated / 1e9:.3f}")
     table.caption = ("activated = every weight a token touches (top-k routed experts, all others, lm_head), "
-                     "input embedding excluded — the convention of the published 104.2B")
+                     "input embedding excluded (the convention behind K3's published 104.2B)")
     return table
 
 
 def cmd_params(args: argparse.Namespace) -> int:
     cfg = _load_config(args.model)
     console.print(params_table(cfg, f"parameters of {args.model} (counted with jax.eval_shape, nothing allocated)"))
+    return 0
+
+
+def _inspect_target(target: str) -> K3Config:
+    from pathlib import Path
+
+    if target in preset_names():
+        return K3Config.from_preset(target)
+    p = Path(target)
+    if not p.exists():
+        raise FileNotFoundError(f"{target}: neither a preset ({', '.join(preset_names())}) nor a path")
+    return K3Config.from_json(p)
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    import json
+
+    from k3jax.costs import human_bytes, inspect_config
+
+    cfg = _inspect_target(args.model)
+    rep = inspect_config(cfg, S=args.S, K=args.K, R=args.R)
+    if args.json:
+        print(json.dumps(rep, indent=2))
+        return 0
+    console.print(params_table(cfg, f"{args.model}: parameters (jax.eval_shape, nothing allocated)", rep))
+    wb = Table(title="weight bytes", title_justify="left")
+    wb.add_column("format")
+    wb.add_column("bytes", justify="right")
+    wb.add_column("", justify="right")
+    for k, v in rep["weight_bytes"].items():
+        label = {"bf16": "bf16 (fp32 where the release keeps fp32)", "mxfp4_experts": "routed experts in MXFP4, "
+                 "rest bf16"}[k]
+        wb.add_row(label, f"{v:,}", f"{v / 1e9:,.1f} GB")
+    console.print(wb)
+    ds = Table(title="decode state per sequence", title_justify="left")
+    for c in ("context", "KDA state (fp32)", "conv state", "MLA latent cache", "total", "all-MLA model",
+              "plain MHA cache"):
+        ds.add_column(c, justify="right")
+    for T, d in rep["decode_state_bytes_per_sequence"].items():
+        ds.add_row(f"{int(T):,}", human_bytes(d["kda_recurrent_state"]), human_bytes(d["kda_conv_state"]),
+                   human_bytes(d["mla_latent_cache"]), human_bytes(d["total"]), human_bytes(d["all_mla_model"]),
+                   human_bytes(d["plain_mha_cache"]))
+    console.print(ds)
+    a = rep["all_to_all_receive_per_rank"]
+    if a:
+        at = Table(title=f"MoE all-to-all receive buffer per rank (S={a['S']} tokens/rank, K={a['K']}, "
+                         f"R={a['R']} ranks, width {a['dispatch_width']})", title_justify="left")
+        at.add_column("plan")
+        at.add_column("tokens", justify="right")
+        at.add_column("bytes (bf16)", justify="right")
+        at.add_row("MoonEP: exactly S×K", f"{a['moonep_tokens']:,}", human_bytes(a["moonep_bytes"]))
+        at.add_row("dropless ragged, worst case S×K×R", f"{a['dropless_worst_tokens']:,}",
+                   human_bytes(a["dropless_worst_bytes"]))
+        console.print(at)
+    f = rep["flops_per_token"]
+    ft = Table(title="FLOPs per token", title_justify="left")
+    ft.add_column("")
+    ft.add_column("FLOPs", justify="right")
+    ft.add_row(f"training (fwd+bwd, sequence {f['training_seq']:,})", f"{f['training']:.4g}")
+    for T, v in f["decode"].items():
+        ft.add_row(f"decode at context {int(T):,}", f"{v:.4g}")
+    console.print(ft)
     return 0
 
 
@@ -107,6 +171,13 @@ def main(argv: list[str] | None = None) -> int:
     q = sub.add_parser("params", help="parameter counts of a preset or a config.json / checkpoint directory")
     q.add_argument("model", help=f"preset ({', '.join(preset_names())}) or path")
     q.set_defaults(fn=cmd_params)
+    i = sub.add_parser("inspect", help="parameters, weight bytes, decode state, all-to-all buffers, FLOPs per token")
+    i.add_argument("model", help=f"preset ({', '.join(preset_names())}) or a checkpoint directory / config.json")
+    i.add_argument("--json", action="store_true", help="machine-readable output")
+    i.add_argument("--S", type=int, default=4096, help="tokens per expert-parallel rank (default 4096)")
+    i.add_argument("--K", type=int, default=None, help="experts per token (default: the config's top-k)")
+    i.add_argument("--R", type=int, default=32, help="expert-parallel ranks (default 32)")
+    i.set_defaults(fn=cmd_inspect)
     args = p.parse_args(argv)
     try:
         return args.fn(args)
