@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from k3jax.config import ConfigError, K3Config, preset_names
+from k3jax.io.safetensors import CheckpointError
 
 console = Console(width=None if sys.stdout.isatty() else 120)
 
@@ -110,6 +111,28 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_convert(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from k3jax.io.export import save_pretrained
+    from k3jax.io.hf import load_pretrained
+    from k3jax.io.orbax import is_orbax_checkpoint, load_orbax, save_orbax
+
+    src, dst = Path(args.src), Path(args.dst)
+    t0 = time.perf_counter()
+    if is_orbax_checkpoint(src):
+        model = load_orbax(src)
+    else:
+        model = load_pretrained(src, expert_dtype=args.expert_dtype, progress=True)
+    to = args.to or ("release" if is_orbax_checkpoint(src) else "orbax")
+    if to == "orbax":
+        save_orbax(model, dst)
+    else:
+        save_pretrained(model, dst, shard_size=args.shard_size, expert_format=args.expert_format)
+    console.print(f"wrote {to} checkpoint {dst} from {src} in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     import jax
     import jax.numpy as jnp
@@ -178,10 +201,21 @@ def main(argv: list[str] | None = None) -> int:
     i.add_argument("--K", type=int, default=None, help="experts per token (default: the config's top-k)")
     i.add_argument("--R", type=int, default=32, help="expert-parallel ranks (default 32)")
     i.set_defaults(fn=cmd_inspect)
+    c = sub.add_parser("convert", help="release safetensors <-> k3jax Orbax (training) checkpoint, or re-shard")
+    c.add_argument("src", help="checkpoint directory (safetensors or k3jax Orbax)")
+    c.add_argument("dst", help="output directory")
+    c.add_argument("--to", choices=["release", "orbax"], default=None,
+                   help="output format (default: the other one)")
+    c.add_argument("--shard-size", default="5GB", help="release shards: bytes per file (default 5GB)")
+    c.add_argument("--expert-format", choices=["mxfp4", "dense"], default=None,
+                   help="release output: routed experts as MXFP4 or dense (default: as the source holds them)")
+    c.add_argument("--expert-dtype", choices=["bfloat16", "float32", "mxfp4"], default=None,
+                   help="how to hold routed experts while converting (default: as stored)")
+    c.set_defaults(fn=cmd_convert)
     args = p.parse_args(argv)
     try:
         return args.fn(args)
-    except (ConfigError, FileNotFoundError) as e:
+    except (ConfigError, FileNotFoundError, CheckpointError) as e:
         console.print(f"[red]error:[/red] {e}")
         return 2
 
