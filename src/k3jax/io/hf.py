@@ -380,7 +380,8 @@ def plan_load(path: str | Path, cfg: K3Config) -> LoadPlan:
 
 @functools.partial(jax.jit, donate_argnums=0)
 def _set_expert(buf: jax.Array, row: jax.Array, e: jax.Array) -> jax.Array:
-    return jax.lax.dynamic_update_index_in_dim(buf, row.astype(buf.dtype), e, 0)
+    # a scatter with the buffer's own sharding works for Auto and Explicit mesh axes alike
+    return buf.at[e].set(row.astype(buf.dtype), out_sharding=buf.aval.sharding)
 
 
 def _progress(total: int, enabled: bool | None, label: str):
