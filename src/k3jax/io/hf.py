@@ -36,7 +36,7 @@ from flax import nnx
 from k3jax.config import K3Config
 from k3jax.io.safetensors import CheckpointError, SafetensorsFile
 from k3jax.nn.model import K3ForCausalLM
-from k3jax.ops.mx import GROUP, mxfp4_dequantize_np, mxfp4_quantize
+from k3jax.ops.mx import GROUP, mxfp4_dequantize, mxfp4_quantize
 
 log = logging.getLogger("k3jax.io")
 
@@ -255,9 +255,7 @@ def _convert(name: str, spec: Spec, src: _Source, target: str) -> np.ndarray | t
             o, g = np.argwhere(scale == 255)[0]
             raise CheckpointError(f"tensor {name!r}: weight_scale byte 255 (NaN in E8M0) at [{o}, {g}] "
                                   f"({src.scale.where()})")
-        if target == "mxfp4":
-            return packed, scale
-        return mxfp4_dequantize_np(packed, scale, np.float32).T
+        return packed, scale                       # dequantized on device when the target is dense
     a = src.load()
     if spec.kind == "A_log":
         nh = spec.shape[0]
@@ -378,10 +376,28 @@ def plan_load(path: str | Path, cfg: K3Config) -> LoadPlan:
     return LoadPlan(cfg, expected, found, files, prefixed, mx)
 
 
+@jax.jit
+def _dequantize_t(packed: jax.Array, scale: jax.Array) -> jax.Array:
+    """MXFP4 ``[O, I/2]`` + ``[O, I/32]`` → dense ``[I, O]`` fp32 (dequantize, then transpose)."""
+    return mxfp4_dequantize(packed, scale, jnp.float32).T
+
+
 @functools.partial(jax.jit, donate_argnums=0)
-def _set_expert(buf: jax.Array, row: jax.Array, e: jax.Array) -> jax.Array:
-    # a scatter with the buffer's own sharding works for Auto and Explicit mesh axes alike
+def _set_row(buf: jax.Array, row: jax.Array, e: jax.Array) -> jax.Array:
+    return jax.lax.dynamic_update_index_in_dim(buf, row.astype(buf.dtype), e, 0)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _set_row_explicit(buf: jax.Array, row: jax.Array, e: jax.Array) -> jax.Array:
+    # on a mesh with Explicit axes the update must name its output sharding; a scatter can (10× slower on CPU)
     return buf.at[e].set(row.astype(buf.dtype), out_sharding=buf.aval.sharding)
+
+
+def _set_expert(buf: jax.Array, row: jax.Array, e: jax.Array) -> jax.Array:
+    """``buf[e] = row`` in place (the buffer is donated)."""
+    mesh = getattr(buf.sharding, "mesh", None)
+    explicit = mesh is not None and any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
+    return (_set_row_explicit if explicit else _set_row)(buf, row, e)
 
 
 def _progress(total: int, enabled: bool | None, label: str):
@@ -447,6 +463,8 @@ def load_pretrained(path: str | Path, *, dtype: str | None = None, expert_dtype:
                 if spec.kind != "expert":
                     values[spec.param] = place(spec.param, a)
                     continue
+                if isinstance(a, tuple) and target_experts != "mxfp4":
+                    a = _dequantize_t(jnp.asarray(a[0]), jnp.asarray(a[1]))
                 parts = {spec.param: a} if not isinstance(a, tuple) else {
                     spec.param[:-1] + (spec.param[-1] + "_packed",): a[0],
                     spec.param[:-1] + (spec.param[-1] + "_scale",): a[1]}
