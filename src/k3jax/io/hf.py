@@ -464,7 +464,7 @@ def load_pretrained(path: str | Path, *, dtype: str | None = None, expert_dtype:
                     values[spec.param] = place(spec.param, a)
                     continue
                 if isinstance(a, tuple) and target_experts != "mxfp4":
-                    a = _dequantize_t(jnp.asarray(a[0]), jnp.asarray(a[1]))
+                    a = _dequantize_t(jax.device_put(a[0]), jax.device_put(a[1]))
                 parts = {spec.param: a} if not isinstance(a, tuple) else {
                     spec.param[:-1] + (spec.param[-1] + "_packed",): a[0],
                     spec.param[:-1] + (spec.param[-1] + "_scale",): a[1]}
@@ -472,7 +472,7 @@ def load_pretrained(path: str | Path, *, dtype: str | None = None, expert_dtype:
                     if p not in values:
                         var = targets[p]
                         values[p] = jax.device_put(jnp.zeros(var.shape, var.dtype), sharding_of(p, var.shape))
-                    values[p] = _set_expert(values[p], jnp.asarray(arr), jnp.int32(spec.expert))
+                    values[p] = _set_expert(values[p], jax.device_put(arr), np.int32(spec.expert))
             f.close()
             bar.advance(task)
     items = []
