@@ -128,3 +128,22 @@ def test_bad_shapes_are_named():
         kda_chunked(z, z, z, z, jnp.zeros((1, 4)))
     with pytest.raises(ValueError, match=r"initial_state must be \[B, H, K, V\]"):
         kda_recurrent(z, z, z, z, jnp.zeros((1, 4, 2)), initial_state=jnp.zeros((1, 2, 8)))
+
+
+@pytest.mark.parametrize("gate", ["lower_bound", "softplus"])
+def test_document_resets(rng, gate):
+    """reset zeroes the state before a token: chunked == recurrent, and a document equals itself run alone."""
+    q, k, v, g, beta, s0 = make_inputs(rng, 150, gate, init=True)
+    reset = jnp.zeros((2, 150), bool).at[0, 40].set(True).at[0, 64].set(True).at[1, 100].set(True)
+    o_ref, s_ref = kda_recurrent(q, k, v, g, beta, initial_state=s0, output_final_state=True, reset=reset)
+    o, s = kda_chunked(q, k, v, g, beta, initial_state=s0, output_final_state=True, reset=reset,
+                       safe_gate=gate == "lower_bound")
+    assert rel(o, o_ref) <= 1e-5 and rel(s, s_ref) <= 1e-5
+    alone, s_alone = kda_recurrent(q[:1, 64:], k[:1, 64:], v[:1, 64:], g[:1, 64:], beta[:1, 64:],
+                                   output_final_state=True)
+    assert rel(o[:1, 64:], alone) <= 1e-5 and rel(s[:1], s_alone) <= 1e-5
+    x = jnp.asarray(rng.normal(size=(2, 150, 6)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(6, 4)), jnp.float32)
+    y, _ = causal_conv1d(x, w, reset=reset)
+    y_alone, _ = causal_conv1d(x[:1, 64:], w)
+    np.testing.assert_allclose(y[:1, 64:], y_alone, rtol=1e-6, atol=1e-6)

@@ -60,13 +60,17 @@ class KDAttention(nnx.Module):
             return kda_gate_lower_bound(f, self.dt_bias[...], self.A_log[...], self.lower_bound)
         return kda_gate_softplus(f, self.dt_bias[...], self.A_log[...])
 
-    def __call__(self, x: jax.Array, *, kernel: str = "chunked") -> jax.Array:
+    def __call__(self, x: jax.Array, *, kernel: str = "chunked", segment_ids: jax.Array | None = None) -> jax.Array:
+        """``segment_ids [B, T]``: packed documents; KDA state and conv windows restart where the id changes."""
         B, T, _ = x.shape
         nh, hd = self.num_heads, self.head_dim
+        reset = None
+        if segment_ids is not None:
+            reset = jnp.concatenate([jnp.zeros((B, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
 
         def qkv(proj: Proj, w: nnx.Param) -> jax.Array:
             u = proj(x).reshape(B, T, nh * hd)
-            y, _ = causal_conv1d(u, w[...])
+            y, _ = causal_conv1d(u, w[...], reset=reset)
             return y.reshape(B, T, nh, hd)
 
         q, k, v = qkv(self.q_proj, self.q_conv1d), qkv(self.k_proj, self.k_conv1d), qkv(self.v_proj, self.v_conv1d)
@@ -74,9 +78,9 @@ class KDAttention(nnx.Module):
         g = self.gate(x)
         beta = jax.nn.sigmoid(self.b_proj(x).astype(acc_dtype(x)))
         if kernel == "chunked":
-            o, _ = kda_chunked(q, k, v, g, beta, safe_gate=self.gate_kind == "lower_bound")
+            o, _ = kda_chunked(q, k, v, g, beta, safe_gate=self.gate_kind == "lower_bound", reset=reset)
         elif kernel == "recurrent":
-            o, _ = kda_recurrent(q, k, v, g, beta)
+            o, _ = kda_recurrent(q, k, v, g, beta, reset=reset)
         else:
             raise ValueError(f"kernel: expected 'chunked' or 'recurrent', got {kernel!r}")
         gate = self.g_proj(x) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x))

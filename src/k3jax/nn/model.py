@@ -54,7 +54,7 @@ class DecoderLayer(nnx.Module):
     def attention(self, a: jax.Array, segment_ids: jax.Array | None, kda_kernel: str) -> jax.Array:
         h = self.input_layernorm(a)
         if self.kind == "kda":
-            return self.self_attn(h, kernel=kda_kernel)
+            return self.self_attn(h, kernel=kda_kernel, segment_ids=segment_ids)
         return self.self_attn(h, segment_ids=segment_ids)
 
     def ffn(self, m: jax.Array, moe_grouped: bool) -> tuple[jax.Array, jax.Array | None]:

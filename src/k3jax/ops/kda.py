@@ -50,11 +50,12 @@ def kda_gate_softplus(f: jax.Array, dt_bias: jax.Array, A_log: jax.Array) -> jax
 
 # -------------------------------------------------------------------------------------------- short conv
 def causal_conv1d(x: jax.Array, weight: jax.Array, state: jax.Array | None = None,
-                  activation: str | None = "silu") -> tuple[jax.Array, jax.Array]:
+                  activation: str | None = "silu", reset: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Depthwise causal conv over time, then ``silu``: ``z_t[c] = Σ_j w[c, j] · x_{t−W+1+j}[c]``.
 
     ``x [B, T, C]``, ``weight [C, W]`` (``w[:, W−1]`` multiplies the current token), ``state [B, W−1, C]`` the
-    previous W−1 inputs (zeros when ``None``). Returns ``(y [B, T, C], new_state [B, W−1, C])``; computed in fp32.
+    previous W−1 inputs (zeros when ``None``). ``reset [B, T]`` (bool) marks tokens that start a new document:
+    the window never reaches back across one. Returns ``(y [B, T, C], new_state [B, W−1, C])``; fp32 inside.
     """
     B, T, C = x.shape
     W = weight.shape[-1]
@@ -63,7 +64,12 @@ def causal_conv1d(x: jax.Array, weight: jax.Array, state: jax.Array | None = Non
         state = jnp.zeros((B, W - 1, C), f)
     xp = jnp.concatenate([state.astype(f), x.astype(f)], axis=1)  # [B, T+W-1, C]
     w = weight.astype(f)
-    y = sum(xp[:, j:j + T] * w[:, j] for j in range(W))
+    if reset is None:
+        y = sum(xp[:, j:j + T] * w[:, j] for j in range(W))
+    else:
+        # document index per position (the state's past inputs belong to document 0)
+        doc = jnp.concatenate([jnp.zeros((B, W - 1), jnp.int32), jnp.cumsum(reset.astype(jnp.int32), axis=1)], 1)
+        y = sum(xp[:, j:j + T] * w[:, j] * (doc[:, j:j + T] == doc[:, W - 1:])[..., None] for j in range(W))
     if activation == "silu":
         y = jax.nn.silu(y)
     elif activation is not None:
@@ -110,8 +116,12 @@ def kda_step(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.A
 
 def kda_recurrent(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
                   scale: float | None = None, initial_state: jax.Array | None = None,
-                  output_final_state: bool = False) -> tuple[jax.Array, jax.Array | None]:
-    """Reference KDA: a token-by-token ``lax.scan`` of the recurrence above (fp32 throughout)."""
+                  output_final_state: bool = False, reset: jax.Array | None = None
+                  ) -> tuple[jax.Array, jax.Array | None]:
+    """Reference KDA: a token-by-token ``lax.scan`` of the recurrence above (fp32 throughout).
+
+    ``reset [B, T]`` (bool, optional): the state is zeroed before each marked token (a new packed document).
+    """
     _check(q, k, v, g, beta, initial_state)
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -120,10 +130,13 @@ def kda_recurrent(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: 
     S0 = jnp.zeros((B, H, K, V), a) if initial_state is None else initial_state.astype(a)
     tm = lambda x: jnp.moveaxis(x.astype(a), 1, 0)  # noqa: E731  time-major
 
-    def body(S, xs):
-        return _step(S, *xs)
+    rs = jnp.zeros((T, B), bool) if reset is None else jnp.moveaxis(reset.astype(bool), 1, 0)
 
-    S, o = jax.lax.scan(body, S0, (tm(q) * scale, tm(k), tm(v), tm(g), tm(beta)))
+    def body(S, xs):
+        r, *rest = xs
+        return _step(jnp.where(r[:, None, None, None], 0.0, S), *rest)
+
+    S, o = jax.lax.scan(body, S0, (rs, tm(q) * scale, tm(k), tm(v), tm(g), tm(beta)))
     o = jnp.moveaxis(o, 0, 1).astype(v.dtype)
     return o, (S if output_final_state else None)
 
@@ -172,7 +185,7 @@ def _decayed_gram(x: jax.Array, y: jax.Array, b: jax.Array, sub: int, safe_gate:
 def kda_chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
                 scale: float | None = None, initial_state: jax.Array | None = None,
                 output_final_state: bool = False, chunk_size: int = 64, sub_chunk: int = 16,
-                safe_gate: bool = False) -> tuple[jax.Array, jax.Array | None]:
+                safe_gate: bool = False, reset: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None]:
     """Chunked KDA (spec §4.3), mathematically identical to :func:`kda_recurrent`; fp32 internals.
 
     Per chunk of n tokens with incoming state S₀ and in-chunk cumulative log decay ``b_r = Σ_{s≤r} g_s``::
@@ -185,6 +198,10 @@ def kda_chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: ja
     chunks then carries S with small matmuls. ``safe_gate=True`` asserts every ``g ≥ −5`` (K3's lower-bound
     gate) and lets the diagonal 16-token tiles factor their exponentials too; leave it False for an unbounded
     (softplus) gate. T need not be a multiple of ``chunk_size`` (zero padding leaves state and outputs exact).
+
+    ``reset [B, T]`` (bool) zeroes the state before each marked token (packed documents): pairs of tokens from
+    different documents are masked out of A and of the in-chunk attention, rows after a reset do not read S₀, and
+    the chunk's outgoing state keeps only its last document.
     """
     _check(q, k, v, g, beta, initial_state)
     if chunk_size % sub_chunk:
@@ -211,15 +228,30 @@ def kda_chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: ja
     a_kk = bc[..., :, None] * _decayed_gram(kc, kc, b, sub_chunk, safe_gate)
     a_kk = jnp.where(jnp.tril(jnp.ones((n, n), bool), -1), a_kk, 0.0)      # strictly lower
     a_qk = _decayed_gram(qc, kc, b, sub_chunk, safe_gate)                  # lower incl. diagonal
+    alive = last_alive = None
+    if reset is not None:
+        r = jnp.pad(reset.astype(jnp.int32), [(0, 0), (0, pad)]).reshape(B, 1, C, n)
+        seg = jnp.cumsum(r, axis=-1)                                       # document index inside the chunk
+        same = seg[..., :, None] == seg[..., None, :]
+        a_kk, a_qk = jnp.where(same, a_kk, 0.0), jnp.where(same, a_qk, 0.0)
+        alive = (seg == 0)[..., None].astype(a)                            # rows that still see S₀
+        last_alive = alive[..., -1, :]                                     # [B, 1, C, 1]
+        qc_s0, kc_s0 = qc * alive, kc * alive
+        k_rest_mask = (seg == seg[..., -1:])[..., None].astype(a)          # tokens of the chunk's last document
+    else:
+        qc_s0, kc_s0 = qc, kc
 
-    k_dec = kc * jnp.exp(b)                                                # K̃ = k ⊙ e^{b}   (≤ |k|)
+    k_dec = kc_s0 * jnp.exp(b)                                             # K̃ = k ⊙ e^{b}   (≤ |k|)
     rhs = bc[..., None] * jnp.concatenate([vc, k_dec], axis=-1)            # diag(β) [V | K̃]
     eye = jnp.eye(n, dtype=a)
     sol = jax.lax.linalg.triangular_solve(eye + a_kk, rhs, left_side=True, lower=True, unit_diagonal=True)
     u0, w = sol[..., :V], sol[..., V:]                                     # U = u0 − w S₀
-    q_dec = qc * jnp.exp(b)                                                # q ⊙ e^{b}
+    q_dec = qc_s0 * jnp.exp(b)                                             # q ⊙ e^{b}
     k_rest = kc * jnp.exp(b_last - b)                                      # k ⊙ e^{b_n − b}
     decay_n = jnp.exp(b_last[..., 0, :])                                   # [B, H, C, K]
+    if reset is not None:
+        k_rest = k_rest * k_rest_mask
+        decay_n = decay_n * last_alive
 
     S0 = jnp.zeros((B, H, K, V), a) if initial_state is None else initial_state.astype(a)
     cm = lambda x: jnp.moveaxis(x, 2, 0)  # noqa: E731  chunk-major for the scan
