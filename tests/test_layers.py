@@ -107,7 +107,7 @@ def test_latent_moe_block_closed_form(rng):
     moe.e_score_correction_bias[...] = jnp.asarray(rng.normal(size=(8,)), jnp.float32)
     moe.routed_expert_norm.weight[...] = jnp.asarray(rng.uniform(0.5, 1.5, size=(32,)), jnp.float32)
     x = jnp.asarray(rng.normal(size=(2, 5, 64)), jnp.float32)
-    y, counts = moe(x)
+    y, counts, _ = moe(x)
     xf = np.asarray(x).reshape(10, 64)
     s = 1 / (1 + np.exp(-(xf @ np.asarray(moe.gate.kernel[...]))))
     idx = np.argsort(-(s + np.asarray(moe.e_score_correction_bias[...])), -1)[:, :2]

@@ -28,6 +28,10 @@ class PackedWeight(nnx.Variable):
     """Non-trainable packed storage (MXFP4 ``weight_packed`` / ``weight_scale`` bytes)."""
 
 
+class BalanceState(nnx.Variable):
+    """Non-trainable load-balancing state (Quantile Balancing's persistent histogram bounds)."""
+
+
 class RouterBias(nnx.Variable):
     """Non-trainable state: the MoE selection bias (``e_score_correction_bias``), set by load balancing."""
 

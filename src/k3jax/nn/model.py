@@ -57,19 +57,20 @@ class DecoderLayer(nnx.Module):
             return self.self_attn(h, kernel=kda_kernel, segment_ids=segment_ids)
         return self.self_attn(h, segment_ids=segment_ids)
 
-    def ffn(self, m: jax.Array, moe_grouped: bool) -> tuple[jax.Array, jax.Array | None]:
+    def ffn(self, m: jax.Array, moe_grouped: bool, balance_bins: int) -> tuple[jax.Array, tuple | None]:
         h = self.post_attention_layernorm(m)
         if self.is_moe:
-            return self.block_sparse_moe(h, grouped=moe_grouped)
+            y, counts, hist = self.block_sparse_moe(h, grouped=moe_grouped, balance_bins=balance_bins)
+            return y, (counts, hist)
         return self.mlp(h), None
 
     def __call__(self, x: jax.Array, blocks: list[jax.Array], *, segment_ids: jax.Array | None = None,
-                 kda_kernel: str = "chunked", moe_grouped: bool = True
-                 ) -> tuple[jax.Array, list[jax.Array], jax.Array | None]:
-        """Returns ``(output partial sum, blocks, expert counts or None)`` (spec §2 steps 1–8)."""
+                 kda_kernel: str = "chunked", moe_grouped: bool = True, balance_bins: int = 0
+                 ) -> tuple[jax.Array, list[jax.Array], tuple | None]:
+        """Returns ``(output partial sum, blocks, (expert counts, QB histogram) or None)`` (spec §2 steps 1–8)."""
         if not self.attn_res:
             x = x + self.attention(x, segment_ids, kda_kernel)
-            y, counts = self.ffn(x, moe_grouped)
+            y, counts = self.ffn(x, moe_grouped, balance_bins)
             return x + y, blocks, counts
         p = x
         a = self.self_attention_res(blocks, p) if blocks else p          # identity only at layer 0
@@ -79,13 +80,14 @@ class DecoderLayer(nnx.Module):
         y = self.attention(a, segment_ids, kda_kernel)
         p = y if sealed else p + y                                       # the partial sum restarts after a seal
         m = self.mlp_res(blocks, p)
-        f, counts = self.ffn(m, moe_grouped)
+        f, counts = self.ffn(m, moe_grouped, balance_bins)
         return p + f, blocks, counts
 
 
 class CausalLMOutput(NamedTuple):
     logits: jax.Array              # [B, T, vocab]
     expert_counts: jax.Array       # [n_moe_layers, num_experts] int32 (tokens routed to each expert)
+    balance_hist: jax.Array | None = None   # [n_moe_layers, num_experts, bins] int32 (Quantile Balancing)
 
 
 class K3Model(nnx.Module):
@@ -103,12 +105,13 @@ class K3Model(nnx.Module):
             self.output_attn_res = AttnResSite(cfg)
 
     def __call__(self, input_ids: jax.Array, *, segment_ids: jax.Array | None = None, kda_kernel: str = "chunked",
-                 moe_grouped: bool = True) -> tuple[jax.Array, list[jax.Array]]:
+                 moe_grouped: bool = True, balance_bins: int = 0) -> tuple[jax.Array, list[tuple]]:
         x = jnp.take(self.embed_tokens[...], input_ids, axis=0)
         blocks: list[jax.Array] = []
         counts = []
         for layer in self.layers:
-            x, blocks, c = layer(x, blocks, segment_ids=segment_ids, kda_kernel=kda_kernel, moe_grouped=moe_grouped)
+            x, blocks, c = layer(x, blocks, segment_ids=segment_ids, kda_kernel=kda_kernel, moe_grouped=moe_grouped,
+                                 balance_bins=balance_bins)
             if c is not None:
                 counts.append(c)
         if self.attn_res:
@@ -129,19 +132,22 @@ class K3ForCausalLM(nnx.Module):
                                 init_std=cfg.initializer_range, keys=keys)
 
     def forward(self, input_ids: jax.Array, *, segment_ids: jax.Array | None = None, kda_kernel: str = "chunked",
-                moe_grouped: bool = True) -> CausalLMOutput:
-        """Logits and per-MoE-layer expert token counts (what load balancing consumes)."""
+                moe_grouped: bool = True, balance_bins: int = 0) -> CausalLMOutput:
+        """Logits and per-MoE-layer expert token counts (what load balancing consumes); with ``balance_bins`` also
+        each MoE layer's Quantile Balancing histogram. ``segment_ids [B, T]`` marks packed documents."""
         input_ids = jnp.asarray(input_ids)
         if input_ids.ndim != 2 or not jnp.issubdtype(input_ids.dtype, jnp.integer):
             raise ValueError(f"input_ids: expected integer ids of shape [B, T], got {input_ids.dtype}{input_ids.shape}")
-        h, counts = self.model(input_ids, segment_ids=segment_ids, kda_kernel=kda_kernel, moe_grouped=moe_grouped)
+        h, counts = self.model(input_ids, segment_ids=segment_ids, kda_kernel=kda_kernel, moe_grouped=moe_grouped,
+                               balance_bins=balance_bins)
         if self.config.tie_word_embeddings:
             logits = jnp.einsum("btd,vd->btv", h, self.model.embed_tokens[...].astype(h.dtype))
         else:
             logits = self.lm_head(h)
         E = self.config.num_experts or 0
-        c = jnp.stack(counts) if counts else jnp.zeros((0, E), jnp.int32)
-        return CausalLMOutput(logits, c)
+        c = jnp.stack([x[0] for x in counts]) if counts else jnp.zeros((0, E), jnp.int32)
+        hist = jnp.stack([x[1] for x in counts]) if (counts and balance_bins) else None
+        return CausalLMOutput(logits, c, hist)
 
     def __call__(self, input_ids: jax.Array, **kw) -> jax.Array:
         return self.forward(input_ids, **kw).logits

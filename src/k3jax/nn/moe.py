@@ -9,8 +9,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.config import K3Config
-from k3jax.nn.layers import KeyGen, PackedWeight, Proj, RMSNorm, RouterBias
+from k3jax.nn.layers import BalanceState, KeyGen, PackedWeight, Proj, RMSNorm, RouterBias
 from k3jax.ops.grouped import moe_grouped, moe_per_token
+from k3jax.ops.balance import required_bias_histogram
 from k3jax.ops.mx import mxfp4_dequantize
 from k3jax.ops.precision import acc_dtype
 from k3jax.ops.routing import expert_counts, router_topk
@@ -103,6 +104,8 @@ class MoE(nnx.Module):
         self.act = activation(cfg)
         self.gate = Proj(H, E, dtype=dt, init_std=std, keys=keys)
         self.e_score_correction_bias = RouterBias(jnp.zeros((E,), jnp.promote_types(dt, jnp.float32)))
+        self.qb_bounds = BalanceState(jnp.asarray([-1.0, 1.0], jnp.float32))   # [min b − 1, max b + 1]
+        self.top_k = cfg.num_experts_per_token
         self.latent = cfg.latent_moe
         if self.latent:
             L = cfg.routed_expert_hidden_size
@@ -113,18 +116,29 @@ class MoE(nnx.Module):
         n_sh = cfg.num_shared_experts
         self.shared_experts = MLP(cfg, H, n_sh * cfg.moe_intermediate_size, keys=keys) if n_sh else None
 
+    def router_logits(self, x: jax.Array) -> jax.Array:
+        f = acc_dtype(x)
+        return jnp.einsum("nd,de->ne", x.astype(f), self.gate.kernel[...].astype(f),
+                          precision=jax.lax.Precision.HIGHEST)
+
     def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """``(weights [N, k] fp32, idx [N, k])`` for ``x [N, hidden]``; router logits in fp32."""
-        f = acc_dtype(x)
-        logits = jnp.einsum("nd,de->ne", x.astype(f), self.gate.kernel[...].astype(f),
-                            precision=jax.lax.Precision.HIGHEST)
         bias = self.e_score_correction_bias[...] if self.use_bias else None
-        return router_topk(logits, bias, **self.cfg_route)
+        return router_topk(self.router_logits(x), bias, **self.cfg_route)
 
-    def __call__(self, x: jax.Array, *, grouped: bool = True) -> tuple[jax.Array, jax.Array]:
+    def balance_histogram(self, x: jax.Array, bins: int) -> jax.Array:
+        """Quantile Balancing's ``[E, bins]`` counts of required biases for tokens ``x [N, hidden]``."""
+        scores = jax.nn.sigmoid(jax.lax.stop_gradient(self.router_logits(x)))
+        return required_bias_histogram(scores, self.e_score_correction_bias[...], self.top_k, self.qb_bounds[...],
+                                       bins)
+
+    def __call__(self, x: jax.Array, *, grouped: bool = True, balance_bins: int = 0
+                 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+        """Returns ``(y, counts [E], histogram [E, bins] or None)`` — the histogram feeds Quantile Balancing."""
         B, T, H = x.shape
         xf = x.reshape(B * T, H)
         w, idx = self.route(xf)
+        hist = self.balance_histogram(xf, balance_bins) if balance_bins else None
         z = self.routed_expert_down_proj(xf) if self.latent else xf
         fn = moe_grouped if grouped else moe_per_token
         y = fn(z, idx, w, *self.experts.weights(z.dtype), self.act).astype(x.dtype)
@@ -134,4 +148,4 @@ class MoE(nnx.Module):
             y = self.routed_expert_up_proj(y)
         if self.shared_experts is not None:
             y = y + self.shared_experts(xf)
-        return y.reshape(B, T, H), expert_counts(idx, self.num_experts)
+        return y.reshape(B, T, H), expert_counts(idx, self.num_experts), hist

@@ -1,0 +1,1 @@
+"""Training: data, Quantile Balancing, optimizer, checkpoints, metrics and the loop."""
