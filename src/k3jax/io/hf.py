@@ -475,6 +475,11 @@ def load_pretrained(path: str | Path, *, dtype: str | None = None, expert_dtype:
                     values[p] = _set_expert(values[p], jax.device_put(arr), np.int32(spec.expert))
             f.close()
             bar.advance(task)
+    for p in targets:
+        if p[-1] == "qb_bounds":                 # Quantile Balancing bounds follow the loaded router bias
+            from k3jax.ops.balance import bias_bounds
+
+            values[p] = bias_bounds(values[p[:-1] + ("e_score_correction_bias",)])
     items = []
     for p, var in targets.items():
         if p not in values:
