@@ -1,0 +1,347 @@
+"""``k3jax train``: the training loop, readable top to bottom.
+
+config → data → model → optimizer → (resume) → for each step: batch → jitted step (loss, grads, Muon/AdamW update,
+load balancing for the next step) → progress bar / JSONL / periodic eval and checkpoint → plots at the end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from k3jax.config import ConfigError, K3Config, preset_names
+from k3jax.nn.model import K3ForCausalLM
+from k3jax.ops.balance import bias_bounds, max_violation, quantile_from_histogram, sign_update
+from k3jax.train.checkpoint import Checkpointer
+from k3jax.train.data import Dataset, DataError, make_tokenizer, stdlib_corpus, user_corpus
+from k3jax.train.metrics import MetricsLog, plot_run
+from k3jax.train.optim import OptimConfig, make_optimizer
+
+
+class TrainingError(RuntimeError):
+    """The run cannot go on (e.g. a non-finite loss); the message says what happened and what was kept."""
+
+
+@dataclass
+class TrainConfig:
+    model: str = "tiny"                       # preset name or path to a config.json / checkpoint directory
+    model_overrides: dict[str, Any] = field(default_factory=dict)   # K3Config fields (--set model.hidden_size=…)
+    data: str | None = None                   # None: the embedded standard-library corpus
+    corpus_bytes: int = 3_000_000
+    text_field: str = "text"
+    tokenizer: str = "bytes"                  # "bytes" or a path to a tokenizer.json
+    seq_len: int = 256
+    batch_size: int = 16
+    steps: int = 300
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    balance: str = "quantile"                 # "quantile" | "sign" | "none"
+    balance_bins: int = 1000
+    sign_gamma: float = 1e-3
+    eval_every: int = 50
+    eval_batches: int = 8
+    save_every: int = 100
+    keep: int = 3
+    async_save: bool = True
+    out: str = "runs/k3jax"
+    seed: int = 0
+    resume: bool = True
+    progress: bool | None = None              # None: on a terminal
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, overrides: list[str] | None = None) -> "TrainConfig":
+        """A JSON or TOML file (any subset of fields), then ``key=value`` overrides (dotted keys for nesting)."""
+        raw: dict[str, Any] = {}
+        if path:
+            p = Path(path)
+            if not p.exists():
+                raise ConfigError(f"{p}: training config not found")
+            text = p.read_text()
+            try:
+                raw = tomllib.loads(text) if p.suffix == ".toml" else json.loads(text)
+            except (json.JSONDecodeError, tomllib.TOMLDecodeError) as e:
+                raise ConfigError(f"{p}: cannot parse ({e})") from None
+        for item in overrides or []:
+            if "=" not in item:
+                raise ConfigError(f"--set {item!r}: expected key=value")
+            key, val = item.split("=", 1)
+            try:
+                val = json.loads(val)
+            except json.JSONDecodeError:
+                pass
+            parts = key.split(".")
+            if parts[0] == "model" and len(parts) == 2:
+                parts = ["model_overrides", parts[1]]
+            node = raw
+            for p_ in parts[:-1]:
+                node = node.setdefault(p_, {})
+            node[parts[-1]] = val
+        return cls.from_dict(raw)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "TrainConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        bad = sorted(set(raw) - names)
+        if bad:
+            raise ConfigError(f"training config: unknown field(s) {bad}; known: {sorted(names)}")
+        raw = dict(raw)
+        if "optim" in raw:
+            onames = {f.name for f in dataclasses.fields(OptimConfig)}
+            obad = sorted(set(raw["optim"]) - onames)
+            if obad:
+                raise ConfigError(f"training config: unknown optim field(s) {obad}; known: {sorted(onames)}")
+            raw["optim"] = OptimConfig(**raw["optim"])
+        c = cls(**raw)
+        c.validate()
+        return c
+
+    def validate(self) -> None:
+        for name in ("seq_len", "batch_size", "steps", "eval_every", "save_every", "keep", "eval_batches",
+                     "balance_bins"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0:
+                raise ConfigError(f"training config: {name}: expected a positive integer, got {v!r}")
+        if self.balance not in ("quantile", "sign", "none"):
+            raise ConfigError(f"training config: balance: expected 'quantile', 'sign' or 'none', got {self.balance!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def model_config(c: TrainConfig) -> K3Config:
+    if c.model in preset_names():
+        cfg = K3Config.from_preset(c.model)
+    else:
+        cfg = K3Config.from_json(c.model)
+    if c.model_overrides:
+        cfg = cfg.replace(**c.model_overrides)
+    return cfg
+
+
+def load_data(c: TrainConfig, tokenizer) -> Dataset:
+    docs, info = stdlib_corpus(c.corpus_bytes) if c.data is None else user_corpus(c.data, c.text_field)
+    return Dataset(docs, info, tokenizer, c.seq_len, seed=c.seed)
+
+
+def gemm_peak_flops(n: int = 1024, reps: int = 5) -> float:
+    """FLOP/s of a jitted fp32 ``n×n @ n×n`` on this backend (the MFU denominator, measured in the same run)."""
+    a = jnp.ones((n, n), jnp.float32)
+    f = jax.jit(lambda x, y: x @ y)
+    f(a, a).block_until_ready()
+    best = math.inf
+    for _ in range(reps):
+        t = time.perf_counter()
+        f(a, a).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best
+
+
+# ------------------------------------------------------------------------------------------------- the step
+def cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> jax.Array:
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    return jnp.sum(nll * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def make_step(graphdef, params_template, rest_template, optimizer, c: TrainConfig, cfg: K3Config):
+    """The jitted training step over (params, rest, opt_state, batch) as pure pytrees."""
+    k = cfg.num_experts_per_token or 0
+    bins = c.balance_bins if (c.balance == "quantile" and cfg.moe_layers) else 0
+
+    def to_state(template, pure):
+        st = jax.tree.map(lambda x: x, template)
+        nnx.replace_by_pure_dict(st, pure)
+        return st
+
+    def loss_fn(params, rest, batch):
+        model = nnx.merge(graphdef, to_state(params_template, params), to_state(rest_template, rest))
+        out = model.forward(batch["input_ids"], segment_ids=batch["segment_ids"], balance_bins=bins)
+        return cross_entropy(out.logits, batch["targets"], batch["loss_mask"]), out
+
+    @jax.jit
+    def step(params, rest, opt_state, batch):
+        (loss, out), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, rest, batch)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        params = jax.tree.map(lambda p, u: p + u.astype(p.dtype), params, updates)
+        rest = balance_rest(rest, out, c, k)
+        gnorm = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)))
+        counts = out.expert_counts
+        return params, rest, opt_state, {"loss": loss, "grad_norm": gnorm, "counts": counts}
+
+    @jax.jit
+    def eval_step(params, rest, batch):
+        loss, _ = loss_fn(params, rest, batch)
+        return loss
+
+    return step, eval_step
+
+
+def balance_rest(rest: dict, out, c: TrainConfig, k: int) -> dict:
+    """New router biases computed from this step's batch — used from the next step on (causal)."""
+    if c.balance == "none" or out.expert_counts.shape[0] == 0:
+        return rest
+    layers = rest["model"]["layers"]
+    new_layers = dict(layers)
+    j = 0
+    for i in sorted(layers, key=int):
+        moe = layers[i].get("block_sparse_moe")
+        if moe is None:
+            continue
+        b = moe["e_score_correction_bias"]
+        if c.balance == "quantile":
+            nb = quantile_from_histogram(out.balance_hist[j], moe["qb_bounds"], k).astype(b.dtype)
+        else:
+            nb = sign_update(b, out.expert_counts[j], c.sign_gamma).astype(b.dtype)
+        new_layers[i] = {**layers[i], "block_sparse_moe": {**moe, "e_score_correction_bias": nb,
+                                                           "qb_bounds": bias_bounds(nb)}}
+        j += 1
+    return {**rest, "model": {**rest["model"], "layers": new_layers}}
+
+
+# ------------------------------------------------------------------------------------------------- the loop
+@dataclass
+class TrainResult:
+    out: Path
+    steps: int
+    final_train_loss: float
+    final_val_loss: float | None
+    unigram_entropy: float
+    model: K3ForCausalLM
+    dataset: Dataset
+    plots: list[Path]
+    tokens_per_s: float
+    mfu: float
+
+
+def train(c: TrainConfig, *, console=None, stop_after: int | None = None) -> TrainResult:
+    """Run (or resume) training as configured; ``stop_after`` ends early at that step (tests)."""
+    from rich.console import Console
+
+    console = console or Console()
+    out = Path(c.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = make_tokenizer(c.tokenizer)
+    cfg = model_config(c)
+    if cfg.vocab_size < tokenizer.vocab_size:
+        raise ConfigError(f"model vocab_size={cfg.vocab_size} is smaller than the tokenizer's vocabulary "
+                          f"({tokenizer.vocab_size}, {tokenizer.name}); set model.vocab_size")
+    data = load_data(c, tokenizer)
+    (out / "train_config.json").write_text(json.dumps(c.to_dict(), indent=2, default=str))
+    (out / "config.json").write_text(json.dumps(cfg.to_release_dict(), indent=2))
+    (out / "data.json").write_text(json.dumps({**data.info, "unigram_entropy_nats": data.unigram_entropy,
+                                               "train_rows": data.train.rows, "val_rows": data.val.rows}, indent=2))
+
+    model = K3ForCausalLM(cfg, rngs=nnx.Rngs(c.seed))
+    graphdef, params_st, rest_st = nnx.split(model, nnx.Param, ...)
+    params, rest = nnx.to_pure_dict(params_st), nnx.to_pure_dict(rest_st)
+    optimizer = make_optimizer(params, c.steps, c.optim)
+    opt_state = optimizer.init(params)
+    step_fn, eval_fn = make_step(graphdef, params_st, rest_st, optimizer, c, cfg)
+
+    ckpt = Checkpointer(out / "checkpoints", keep=c.keep, save_every=c.save_every, async_save=c.async_save)
+    log = MetricsLog(out / "metrics.jsonl")
+    start = 0
+    if c.resume and ckpt.latest_step() is not None:
+        start = ckpt.latest_step()
+        (params, rest, opt_state), meta = ckpt.restore(start, (params, rest, opt_state))
+        log.truncate_after(start)
+        console.print(f"resumed from {ckpt.dir / str(start)} (step {start}, data position {meta['data_step']})")
+    elif not c.resume:
+        log.path.unlink(missing_ok=True)
+    else:
+        log.path.unlink(missing_ok=True)
+
+    from k3jax.costs import flops_per_token
+
+    peak = gemm_peak_flops()
+    flops_tok = flops_per_token(cfg, train_seq=c.seq_len)["training"]
+    tokens_per_step = c.batch_size * c.seq_len
+    console.print(f"[bold]k3jax train[/bold] {c.model}: {sum(x.size for x in jax.tree.leaves(params)):,} "
+                  f"parameters; data {data.info['source']} ({data.info['files']} files, {data.info['bytes']:,} bytes, "
+                  f"sha256 {data.info['sha256'][:12]}…); {data.train.rows} train / {data.val.rows} val rows of "
+                  f"{c.seq_len}; balance={c.balance}; GEMM peak {peak / 1e9:.1f} GFLOP/s")
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    show = (os.isatty(1) if c.progress is None else c.progress)
+    bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                   TimeRemainingColumn(), console=console, disable=not show)
+    task = bar.add_task("train", total=c.steps, completed=start, info="")
+    loss_f = float("nan")
+    val_loss = None
+    tps = mfu = 0.0
+    last_t = time.perf_counter()
+    end = c.steps if stop_after is None else min(c.steps, stop_after)
+    with bar:
+        for step in range(start, end):
+            batch = {k_: jnp.asarray(v) for k_, v in data.train_batch(step, c.batch_size).items()}
+            params, rest, opt_state, m = step_fn(params, rest, opt_state, batch)
+            loss_f = float(m["loss"])
+            now = time.perf_counter()
+            dt, last_t = now - last_t, now
+            if not math.isfinite(loss_f):
+                ckpt.wait()
+                kept = ckpt.latest_step()
+                raise TrainingError(f"non-finite loss ({loss_f}) at step {step + 1}; stopped. Last good checkpoint: "
+                                    f"{ckpt.dir / str(kept) if kept is not None else 'none (no save yet)'}")
+            counts = np.asarray(m["counts"])
+            vio = np.asarray(max_violation(counts)) if counts.size else np.zeros(0)
+            if step > start:                      # the first step of a process includes compilation
+                tps = tokens_per_step / dt
+                mfu = tps * flops_tok / peak
+            rec = {"kind": "train", "step": step + 1, "loss": loss_f, "grad_norm": float(m["grad_norm"]),
+                   "tokens_per_s": tps, "mfu": mfu, "maxvio": float(vio.max()) if vio.size else 0.0,
+                   "maxvio_per_layer": vio.tolist(), "expert_load": counts.tolist()}
+            log.write(rec)
+            bar.update(task, advance=1, info=f"loss {loss_f:.3f}  {tps:,.0f} tok/s  MFU {mfu:.1%}  "
+                                             f"maxvio {rec['maxvio']:.2f}")
+            if (step + 1) % c.eval_every == 0 or step + 1 == c.steps:
+                val_loss = evaluate(eval_fn, params, rest, data, c)
+                log.write({"kind": "val", "step": step + 1, "val_loss": val_loss})
+                bar.console.print(f"step {step + 1}: train loss {loss_f:.4f}, val loss {val_loss:.4f} nats/token")
+            ckpt.save(step + 1, (params, rest, opt_state), {"step": step + 1, "data_step": step + 1,
+                                                              "loss": loss_f}, force=step + 1 == c.steps)
+    ckpt.close()
+    params_st2 = jax.tree.map(lambda x: x, params_st)
+    nnx.replace_by_pure_dict(params_st2, params)
+    rest_st2 = jax.tree.map(lambda x: x, rest_st)
+    nnx.replace_by_pure_dict(rest_st2, rest)
+    trained = nnx.merge(graphdef, params_st2, rest_st2)
+    plots = plot_run(log.read(), out, data.unigram_entropy)
+    return TrainResult(out, end, loss_f, val_loss, data.unigram_entropy, trained, data, plots, tps, mfu)
+
+
+def evaluate(eval_fn, params, rest, data: Dataset, c: TrainConfig) -> float:
+    losses = [float(eval_fn(params, rest, {k: jnp.asarray(v) for k, v in b.items()}))
+              for b in data.val_batches(c.batch_size, c.eval_batches)]
+    return float(np.mean(losses))
+
+
+def greedy_sample(model: K3ForCausalLM, tokenizer, prompt: str, new_tokens: int = 200, window: int = 256) -> str:
+    """Greedy continuation by re-running the model on a fixed-size window (one compile; no decode cache here)."""
+    ids = [tokenizer.bos_id] + tokenizer.encode(prompt)
+    fwd = jax.jit(lambda x: model(x))
+    for _ in range(new_tokens):
+        ctx = ids[-window:]
+        buf = np.full((1, window), tokenizer.pad_id, np.int32)
+        buf[0, : len(ctx)] = ctx
+        logits = fwd(jnp.asarray(buf))
+        nxt = int(jnp.argmax(logits[0, len(ctx) - 1]))
+        if nxt == tokenizer.eos_id:
+            break
+        ids.append(nxt)
+    return tokenizer.decode(ids[1:])
+
+
+__all__ = ["TrainConfig", "TrainResult", "TrainingError", "train", "greedy_sample", "DataError"]
