@@ -14,8 +14,6 @@ from k3jax.io.safetensors import CheckpointError
 
 console = Console(width=None if sys.stdout.isatty() else 120)
 
-DEMO_SENTENCE = "Kimi Delta Attention keeps a fixed-size state, so the cache does not grow with the context."
-
 
 def _load_config(name_or_path: str) -> K3Config:
     if name_or_path in preset_names():
@@ -133,64 +131,74 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    from k3jax.train.loop import TrainConfig, train
+    from k3jax.train.metrics import MetricsLog, plot_run
+
+    if args.plot:
+        out = args.plot
+        recs = MetricsLog(f"{out}/metrics.jsonl").read()
+        if not recs:
+            raise FileNotFoundError(f"{out}/metrics.jsonl: no metrics to plot")
+        for p in plot_run(recs, out):
+            console.print(f"wrote {p}")
+        return 0
+    sets = list(args.set or [])
+    if args.preset:
+        sets.append(f"model={args.preset}")
+    if args.data:
+        sets.append(f"data={args.data}")
+    if args.out:
+        sets.append(f"out={args.out}")
+    c = TrainConfig.load(args.config, sets)
+    r = train(c, console=console)
+    console.print(f"val loss {r.final_val_loss:.4f} nats/token after {r.steps} steps "
+                  f"(train {r.final_train_loss:.4f}); unigram entropy {r.unigram_entropy:.4f} nats/token")
+    console.print(f"checkpoints in {r.out / 'checkpoints'}; metrics {r.out / 'metrics.jsonl'}; plots "
+                  + ", ".join(str(p) for p in r.plots))
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from flax import nnx
 
-    from k3jax.nn.model import K3ForCausalLM
+    from k3jax.train.loop import TrainConfig, greedy_sample, train
 
-    cfg = K3Config.from_preset("tiny")
-    console.rule("[bold]k3jax demo: the tiny K3 preset (every K3 feature on)")
-    console.print(f"JAX {jax.__version__} on {jax.devices()[0].platform}; layers: "
-                  + " ".join("K" if t == "kda" else "M" for t in cfg.layer_types)
-                  + f" (K = KDA, M = gated MLA); AttnRes block {cfg.attn_res_block_size}; "
-                    f"{cfg.num_experts} latent experts top-{cfg.num_experts_per_token}, SiTU")
-    model = K3ForCausalLM(cfg, rngs=nnx.Rngs(args.seed))
-    text = args.text
-    data = list(text.encode("utf-8"))
-    ids = jnp.asarray([[cfg.bos_token_id] + data], jnp.int32)
-    console.print(f"input: {text!r} → {ids.shape[1]} byte-level tokens (BOS + UTF-8 bytes)")
-
-    fwd = jax.jit(lambda i: model.forward(i))
-    t0 = time.perf_counter()
-    out = fwd(ids)
-    out.logits.block_until_ready()
-    t_compile = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    out = fwd(ids)
-    out.logits.block_until_ready()
-    t_run = time.perf_counter() - t0
-    logits = np.asarray(out.logits, np.float64)
-    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(
-        -1, keepdims=True)
-    nll = -np.mean(logp[0, np.arange(len(data)), np.asarray(data)])
-    console.print(f"forward: logits {tuple(out.logits.shape)} in {t_run * 1e3:.1f} ms "
-                  f"(first call incl. compile {t_compile:.1f} s)")
-    console.print(f"untrained next-byte loss {nll:.3f} nats (uniform over the vocabulary: {np.log(cfg.vocab_size):.3f})")
-
-    ref = np.asarray(model(ids, kda_kernel="recurrent", moe_grouped=False))
-    console.print(f"self-check: chunked KDA + grouped MoE vs recurrent KDA + per-token MoE: "
-                  f"max |Δlogit| = {np.max(np.abs(ref - logits)):.2e}")
-    counts = Table(title="tokens routed to each expert (per MoE layer)", title_justify="left")
-    counts.add_column("layer")
-    counts.add_column("counts per expert")
-    for layer, c in zip(cfg.moe_layers, np.asarray(out.expert_counts)):
-        counts.add_row(str(layer), " ".join(f"{int(x):2d}" for x in c))
-    console.print(counts)
-    console.print(params_table(K3Config.from_preset("k3"),
-                               "parameters of the released K3 config (jax.eval_shape, nothing allocated)"))
+    c = TrainConfig.load(None, [f"out={args.out}", f"steps={args.steps}", "batch_size=8", "seq_len=128",
+                                "eval_every=30", "save_every=50", "eval_batches=16", "resume=false"])
+    console.rule("[bold]k3jax demo: train the tiny K3 preset on Python's standard library")
+    console.print(f"JAX {jax.__version__} on {jax.devices()[0].platform}; every K3 feature on (KDA + gated MLA, "
+                  f"Block AttnRes, Stable LatentMoE with SiTU, Quantile Balancing, Per-Head Muon)")
+    r = train(c, console=console)
+    console.rule("[bold]result")
+    console.print(f"val loss {r.final_val_loss:.4f} nats/token (byte-level, validation split)")
+    console.print(f"unigram entropy {r.unigram_entropy:.4f} nats/token (same unit, train split byte frequencies)")
+    console.print(f"throughput {r.tokens_per_s:,.0f} tokens/s, MFU {r.mfu:.1%}; checkpoint in {r.out / 'checkpoints'}")
+    console.print("plots: " + ", ".join(str(p) for p in r.plots))
+    prompt = "def "
+    text = greedy_sample(r.model, r.dataset.tokenizer, prompt, new_tokens=args.sample_tokens)
+    console.rule("[bold]greedy sample")
+    console.print(text, markup=False, highlight=False)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="k3jax", description="The Kimi K3 architecture in JAX.")
     sub = p.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("demo", help="build the tiny preset, run a forward on a sentence, print K3's parameter table")
-    d.add_argument("--text", default=DEMO_SENTENCE)
-    d.add_argument("--seed", type=int, default=0)
+    d = sub.add_parser("demo", help="train the tiny preset on the embedded corpus for a few minutes, then sample")
+    d.add_argument("--steps", type=int, default=180)
+    d.add_argument("--out", default="runs/demo")
+    d.add_argument("--sample-tokens", type=int, default=240)
     d.set_defaults(fn=cmd_demo)
+    t = sub.add_parser("train", help="train a K3 model (config file + --set key=value overrides)")
+    t.add_argument("--config", help="JSON or TOML training config (any subset of TrainConfig fields)")
+    t.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="override a field: steps=500, optim.lr=0.01, model.hidden_size=256, balance=sign …")
+    t.add_argument("--preset", help="model preset or config.json (same as --set model=…)")
+    t.add_argument("--data", help=".txt / .jsonl / directory (default: the embedded standard-library corpus)")
+    t.add_argument("--out", help="run directory (checkpoints, metrics.jsonl, plots)")
+    t.add_argument("--plot", metavar="RUN_DIR", help="only (re)draw the plots of an existing run")
+    t.set_defaults(fn=cmd_train)
     q = sub.add_parser("params", help="parameter counts of a preset or a config.json / checkpoint directory")
     q.add_argument("model", help=f"preset ({', '.join(preset_names())}) or path")
     q.set_defaults(fn=cmd_params)
@@ -215,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         return args.fn(args)
-    except (ConfigError, FileNotFoundError, CheckpointError) as e:
+    except (ConfigError, FileNotFoundError, CheckpointError, ValueError, RuntimeError) as e:
         console.print(f"[red]error:[/red] {e}")
         return 2
 

@@ -224,8 +224,9 @@ class TrainResult:
     mfu: float
 
 
-def train(c: TrainConfig, *, console=None, stop_after: int | None = None) -> TrainResult:
-    """Run (or resume) training as configured; ``stop_after`` ends early at that step (tests)."""
+def train(c: TrainConfig, *, console=None, stop_after: int | None = None, on_step=None) -> TrainResult:
+    """Run (or resume) training as configured; ``stop_after`` ends early at that step; ``on_step(step, record)``
+    is called after every step (after its checkpoint was handed to Orbax)."""
     from rich.console import Console
 
     console = console or Console()
@@ -312,6 +313,8 @@ def train(c: TrainConfig, *, console=None, stop_after: int | None = None) -> Tra
                 bar.console.print(f"step {step + 1}: train loss {loss_f:.4f}, val loss {val_loss:.4f} nats/token")
             ckpt.save(step + 1, (params, rest, opt_state), {"step": step + 1, "data_step": step + 1,
                                                               "loss": loss_f}, force=step + 1 == c.steps)
+            if on_step is not None:
+                on_step(step + 1, rec)
     ckpt.close()
     params_st2 = jax.tree.map(lambda x: x, params_st)
     nnx.replace_by_pure_dict(params_st2, params)

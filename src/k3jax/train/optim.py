@@ -64,8 +64,9 @@ def schedule(peak: float, steps: int, c: OptimConfig) -> optax.Schedule:
                                      optax.constant_schedule(peak), optax.linear_schedule(peak, end, decay)],
                                     [warm, warm + stable])
     if c.schedule == "constant":
-        return optax.join_schedules([optax.linear_schedule(0.0, peak, max(warm, 1)), optax.constant_schedule(peak)],
-                                    [max(warm, 1)])
+        if not warm:
+            return optax.constant_schedule(peak)
+        return optax.join_schedules([optax.linear_schedule(0.0, peak, warm), optax.constant_schedule(peak)], [warm])
     raise ValueError(f"schedule: expected 'cosine', 'wsd' or 'constant', got {c.schedule!r}")
 
 

@@ -1,0 +1,196 @@
+"""Training: Muon partition, packing boundaries, bad data, NaN stop, and bit-exact resume after kill -9."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from k3jax import K3Config, K3ForCausalLM
+from k3jax.train.data import ByteTokenizer, DataError, Dataset, HFTokenizer, pack, stdlib_corpus, user_corpus
+from k3jax.train.loop import TrainConfig, TrainingError, train
+from k3jax.train.optim import muon_dims, muon_partition
+
+
+def test_muon_partition_and_per_head_dims():
+    model = K3ForCausalLM(K3Config.from_preset("test"))
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    part = muon_partition(params)
+    adam = set(part["adamw"])
+    for name in ("model.embed_tokens", "lm_head.kernel", "model.norm.weight", "model.layers.1.self_attn.A_log",
+                 "model.layers.1.self_attn.dt_bias", "model.layers.1.self_attn.q_conv1d", "model.layers.1.mlp_res.proj",
+                 "model.layers.1.self_attn.o_norm", "model.layers.3.self_attn.q_a_layernorm.weight"):
+        assert name in adam, name
+    muon = set(part["muon"])
+    for name in ("model.layers.1.self_attn.q_proj.kernel", "model.layers.1.self_attn.o_proj.kernel",
+                 "model.layers.3.self_attn.kv_b_proj.kernel", "model.layers.1.block_sparse_moe.experts.w1",
+                 "model.layers.0.mlp.gate_proj.kernel", "model.layers.1.block_sparse_moe.gate.kernel"):
+        assert name in muon, name
+    q = params["model"]["layers"][1]["self_attn"]["q_proj"]["kernel"]
+    assert q.shape == (64, 2, 32)                                          # [hidden, heads, head_dim]
+    d = muon_dims(("model", "layers", 1, "self_attn", "q_proj", "kernel"), q.shape)
+    assert (d.reduction_axis, d.output_axis) == (0, 2)                     # heads (axis 1) are a batch axis
+    d = muon_dims(("model", "layers", 3, "self_attn", "o_proj", "kernel"), (4, 16, 64))
+    assert (d.reduction_axis, d.output_axis) == (1, 2)
+    d = muon_dims(("model", "layers", 1, "block_sparse_moe", "experts", "w2"), (8, 32, 32))
+    assert (d.reduction_axis, d.output_axis) == (1, 2)                     # per expert
+
+
+def test_per_head_muon_update_is_orthogonal_per_head():
+    """One Muon step on a per-head kernel: each head's [in, head_dim] update has equal singular values."""
+    from k3jax.train.optim import OptimConfig, make_optimizer
+
+    rng = np.random.default_rng(0)
+    params = {"model": {"layers": {1: {"self_attn": {"q_proj": {"kernel": jnp.asarray(rng.normal(size=(64, 2, 32)),
+                                                                                        jnp.float32)}}}}}}
+    opt = make_optimizer(params, 10, OptimConfig(warmup_steps=0, schedule="constant", clip_norm=1e9,
+                                                 weight_decay=0.0))
+    g = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), jnp.float32), params)
+    u, _ = opt.update(g, opt.init(params), params)
+    upd = np.asarray(u["model"]["layers"][1]["self_attn"]["q_proj"]["kernel"])
+    for h in range(2):
+        sv = np.linalg.svd(upd[:, h, :], compute_uv=False)
+        assert sv.max() / sv.min() < 2.0          # quintic Newton–Schulz: singular values pushed into ~[0.7, 1.2]
+        # … and each head is orthogonalised on its own: equal to Muon on that head's [in, head_dim] matrix alone
+        single = {"x": {"kernel": params["model"]["layers"][1]["self_attn"]["q_proj"]["kernel"][:, h, :]}}
+        gs = {"x": {"kernel": g["model"]["layers"][1]["self_attn"]["q_proj"]["kernel"][:, h, :]}}
+        opt1 = make_optimizer(single, 10, OptimConfig(warmup_steps=0, schedule="constant", clip_norm=1e9,
+                                                      weight_decay=0.0))
+        u1, _ = opt1.update(gs, opt1.init(single), single)
+        np.testing.assert_allclose(upd[:, h, :], u1["x"]["kernel"], rtol=1e-4, atol=1e-6)
+
+
+def test_packing_boundaries_make_documents_independent():
+    """A document's logits do not depend on the previous document in the same row."""
+    model = K3ForCausalLM(K3Config.from_preset("test"), rngs=nnx.Rngs(3))
+    rng = np.random.default_rng(1)
+    doc_a, doc_b, doc_b2 = rng.integers(3, 500, 20), rng.integers(3, 500, 30), rng.integers(3, 500, 20)
+    row1 = np.concatenate([doc_a, doc_b])[None]
+    row2 = np.concatenate([doc_b2, doc_b])[None]
+    seg = np.concatenate([np.ones(20), 2 * np.ones(30)]).astype(np.int32)[None]
+    l1 = model(jnp.asarray(row1, jnp.int32), segment_ids=jnp.asarray(seg))
+    l2 = model(jnp.asarray(row2, jnp.int32), segment_ids=jnp.asarray(seg))
+    alone = model(jnp.asarray(doc_b[None], jnp.int32))
+    np.testing.assert_allclose(l1[0, 20:], l2[0, 20:], atol=2e-5)
+    np.testing.assert_allclose(l1[0, 20:], alone[0], atol=2e-5)
+    unmasked = model(jnp.asarray(row1, jnp.int32))
+    assert float(jnp.max(jnp.abs(unmasked[0, 20:] - alone[0]))) > 1e-3     # the mask is what makes the difference
+
+
+def test_pack_and_loss_mask():
+    tok = ByteTokenizer()
+    split = pack([tok.encode("ab"), tok.encode("cde")], 4, tok.bos_id, tok.eos_id)
+    np.testing.assert_array_equal(split.tokens[0], [256, 97, 98, 257, 256])
+    np.testing.assert_array_equal(split.segments[0], [1, 1, 1, 1, 2])
+    ds = Dataset(["hello world " * 50] * 40, {"source": "mem"}, tok, seq_len=32)
+    b = ds.train_batch(0, 4)
+    assert b["input_ids"].shape == (4, 32) and b["loss_mask"].dtype == np.float32
+    idx = np.array([0, 3])
+    rows = ds.batch(ds.train, idx)
+    seg = ds.train.segments[idx]
+    np.testing.assert_array_equal(rows["loss_mask"], (seg[:, 1:] == seg[:, :-1]).astype(np.float32))
+    np.testing.assert_array_equal(rows["targets"], ds.train.tokens[idx][:, 1:])
+    assert (ds.train.segments[:, 1:] != ds.train.segments[:, :-1]).any()             # rows do mix documents
+    assert 0 < ds.unigram_entropy < np.log(259)
+    np.testing.assert_array_equal(ds.train_batch(7, 4)["input_ids"], ds.train_batch(7, 4)["input_ids"])
+
+
+def test_stdlib_corpus_is_deterministic():
+    d1, i1 = stdlib_corpus(300_000)
+    d2, i2 = stdlib_corpus(300_000)
+    assert i1["sha256"] == i2["sha256"] and len(d1) == len(d2) > 3 and i1["bytes"] <= 300_000
+
+
+def test_bad_data_is_named(tmp_path):
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(DataError, match=r"empty\.txt: contains no text"):
+        user_corpus(tmp_path / "empty.txt")
+    (tmp_path / "bin.txt").write_bytes(b"\x00\x01\x02binary")
+    with pytest.raises(DataError, match=r"bin\.txt: looks binary"):
+        user_corpus(tmp_path / "bin.txt")
+    (tmp_path / "d.jsonl").write_text('{"text": "ok"}\n{"body": 3}\n')
+    with pytest.raises(DataError, match=r"d\.jsonl:2: expected an object with a string field 'text'"):
+        user_corpus(tmp_path / "d.jsonl")
+    (tmp_path / "short.txt").write_text("tiny corpus")
+    docs, info = user_corpus(tmp_path / "short.txt")
+    with pytest.raises(DataError, match=r"short\.txt.*fewer than one sequence of seq_len\+1 = 1025"):
+        Dataset(docs, info, ByteTokenizer(), seq_len=1024)
+    with pytest.raises(DataError, match="no such file"):
+        user_corpus(tmp_path / "missing")
+
+
+def test_hf_tokenizer_json(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<s>": 0, "</s>": 1, "[UNK]": 2, "hello": 3, "world": 4}
+    t = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    t.pre_tokenizer = pre_tokenizers.Whitespace()
+    t.save(str(tmp_path / "tokenizer.json"))
+    tok = HFTokenizer(tmp_path / "tokenizer.json")
+    assert tok.encode("hello world hello") == [3, 4, 3] and tok.bos_id == 0 and tok.eos_id == 1
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(DataError, match=r"bad\.json: not a Hugging Face tokenizer\.json"):
+        HFTokenizer(tmp_path / "bad.json")
+
+
+def small_config(out, **kw) -> TrainConfig:
+    base = {"model": "test", "out": str(out), "steps": 8, "batch_size": 2, "seq_len": 32, "corpus_bytes": 200_000,
+            "eval_every": 4, "eval_batches": 1, "save_every": 3, "progress": False, "async_save": False}
+    base.update(kw)
+    return TrainConfig.from_dict(base)
+
+
+@pytest.mark.slow
+def test_nan_loss_stops_with_a_clear_message(tmp_path):
+    c = small_config(tmp_path / "run", model_overrides={"initializer_range": 1e30})
+    with pytest.raises(TrainingError, match=r"non-finite loss \((nan|inf)\) at step \d+; stopped\. Last good "
+                                            r"checkpoint: (none|\S+checkpoints/\d+)") as e:
+        train(c)
+    kept = str(e.value).split("Last good checkpoint: ")[-1]
+    assert kept.startswith("none") or os.path.isdir(kept)
+
+
+@pytest.mark.slow
+def test_resume_after_kill_is_bit_exact(tmp_path):
+    """Run 8 steps straight; run again but SIGKILL at step 5 (last save at 3); resume; losses 4–8 identical."""
+    script = textwrap.dedent("""
+        import json, os, signal, sys
+        from k3jax.train.loop import TrainConfig, train
+        cfg = json.loads(sys.argv[1]); kill_at = int(sys.argv[2])
+        def hook(step, rec):
+            if step == kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+        train(TrainConfig.from_dict(cfg), on_step=hook)
+    """)
+    def run(out, kill_at):
+        cfg = small_config(out, async_save=True).to_dict()
+        cfg["optim"] = dataclass_dict(cfg["optim"])
+        return subprocess.run([sys.executable, "-c", script, json.dumps(cfg), str(kill_at)], capture_output=True,
+                              text=True, timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+
+    def losses(out):
+        recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: r["loss"] for r in recs if r["kind"] == "train"}
+
+    straight = run(tmp_path / "a", -1)
+    assert straight.returncode == 0, straight.stderr[-2000:]
+    killed = run(tmp_path / "b", 5)
+    assert killed.returncode == -9
+    steps_saved = sorted(int(p.name) for p in (tmp_path / "b" / "checkpoints").iterdir() if p.name.isdigit())
+    assert 3 in steps_saved and max(steps_saved) < 6
+    resumed = run(tmp_path / "b", -1)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    la, lb = losses(tmp_path / "a"), losses(tmp_path / "b")
+    assert sorted(lb) == list(range(1, 9))
+    for s in range(max(steps_saved) + 1, 9):
+        assert la[s] == lb[s], (s, la[s], lb[s])                            # bit-identical
+
+
+def dataclass_dict(x):
+    return dict(x) if isinstance(x, dict) else x
