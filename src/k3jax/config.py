@@ -415,4 +415,4 @@ def _normalise_hf_aliases(d: dict[str, Any]) -> dict[str, Any]:
 
 
 def preset_names() -> list[str]:
-    return ["k3", "kimi-linear-48b", "tiny", "test"]
+    return ["k3", "kimi-linear-48b", "tiny", "100m", "test"]

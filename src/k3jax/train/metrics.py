@@ -65,11 +65,11 @@ def plot_run(records: list[dict], out_dir: str | Path, unigram: float | None = N
         last = np.array([r["expert_load"][-1] for r in loads], np.float64).T  # [experts, steps]
         last = last / np.maximum(last.sum(0, keepdims=True), 1)
         fig, axes = plt.subplots(1, 2, figsize=(12, 4))
-        im = axes[0].imshow(vio, aspect="auto", cmap="magma", origin="lower",
+        im = axes[0].imshow(vio, aspect="auto", cmap="magma", origin="lower", interpolation="nearest",
                             extent=[steps[0], steps[-1], -0.5, vio.shape[0] - 0.5])
         axes[0].set(xlabel="step", ylabel="MoE layer", title="max load / mean − 1 per layer")
         fig.colorbar(im, ax=axes[0])
-        im = axes[1].imshow(last, aspect="auto", cmap="viridis", origin="lower",
+        im = axes[1].imshow(last, aspect="auto", cmap="viridis", origin="lower", interpolation="nearest",
                             extent=[steps[0], steps[-1], -0.5, last.shape[0] - 0.5])
         axes[1].set(xlabel="step", ylabel="expert", title="last MoE layer: share of routed tokens")
         fig.colorbar(im, ax=axes[1])

@@ -1,0 +1,83 @@
+"""Training-step throughput and MFU of the ``tiny`` and ``100m`` presets on this machine.
+
+    .venv/bin/python -m benchmarks.train_throughput [--presets tiny 100m] [--steps 5] [--json out.json]
+
+One jitted step = forward + backward + Per-Head Muon/AdamW update + Quantile Balancing, on packed byte-level
+batches of the embedded corpus. MFU = model FLOPs per token (``k3jax.costs.flops_per_token``, training) × tokens/s
+/ the fp32 GEMM FLOP/s measured in the same run (``gemm_peak_flops``). Median over ``--steps`` timed steps after
+one warm-up (compile) step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3jax.costs import flops_per_token
+from k3jax.train.data import ByteTokenizer, Dataset, stdlib_corpus
+from k3jax.train.loop import TrainConfig, gemm_peak_flops, make_step, model_config
+from k3jax.train.optim import make_optimizer
+
+SHAPES = {"tiny": (8, 128), "100m": (4, 256)}
+
+
+def bench(preset: str, steps: int, peak: float) -> dict:
+    B, T = SHAPES.get(preset, (4, 256))
+    c = TrainConfig(model=preset, batch_size=B, seq_len=T, steps=100)
+    cfg = model_config(c)
+    docs, info = stdlib_corpus(400_000)
+    data = Dataset(docs, info, ByteTokenizer(), T)
+    from k3jax.nn.model import K3ForCausalLM
+
+    model = K3ForCausalLM(cfg, rngs=nnx.Rngs(0))
+    g, p_st, r_st = nnx.split(model, nnx.Param, ...)
+    params, rest = nnx.to_pure_dict(p_st), nnx.to_pure_dict(r_st)
+    opt = make_optimizer(params, c.steps, c.optim)
+    ost = opt.init(params)
+    step, _ = make_step(g, p_st, r_st, opt, c, cfg)
+    times = []
+    t0 = time.perf_counter()
+    for i in range(steps + 1):
+        batch = {k: jnp.asarray(v) for k, v in data.train_batch(i, B).items()}
+        t = time.perf_counter()
+        params, rest, ost, m = step(params, rest, ost, batch)
+        jax.block_until_ready(m["loss"])
+        times.append(time.perf_counter() - t)
+    compile_s = times[0]
+    med = statistics.median(times[1:])
+    tps = B * T / med
+    fpt = flops_per_token(cfg, train_seq=T)["training"]
+    n_params = sum(x.size for x in jax.tree.leaves(params))
+    return {"preset": preset, "params": n_params, "batch": B, "seq_len": T, "step_seconds_median": med,
+            "first_step_seconds": compile_s, "tokens_per_s": tps, "train_flops_per_token": fpt,
+            "mfu": tps * fpt / peak, "wall_seconds": time.perf_counter() - t0}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--presets", nargs="+", default=["tiny", "100m"])
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    peak = gemm_peak_flops()
+    res = {"benchmark": "train_throughput", "machine": platform.machine(), "cpus": __import__("os").cpu_count(),
+           "jax": jax.__version__, "backend": jax.default_backend(), "gemm_peak_flops": peak,
+           "runs": [bench(p, a.steps, peak) for p in a.presets]}
+    for r in res["runs"]:
+        print(f"{r['preset']:>5}: {r['params']:,} params, B={r['batch']} T={r['seq_len']}: {r['tokens_per_s']:,.0f} "
+              f"tokens/s, MFU {r['mfu']:.1%} (GEMM peak {peak / 1e9:.0f} GFLOP/s), step {r['step_seconds_median']:.2f} s")
+    if a.json:
+        Path(a.json).write_text(json.dumps(res, indent=2))
+    return res
+
+
+if __name__ == "__main__":
+    main()
