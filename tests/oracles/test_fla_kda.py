@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch", reason="oracle extra (torch) not installed:
 def fla_naive():
     spec = importlib.util.find_spec("fla")
     if spec is None:
-        pytest.skip("oracle extra fla-core==0.6.0 not installed: pip install -e '.[test]'")
+        pytest.skip(reason="oracle extra fla-core==0.6.0 not installed: pip install -e '.[test]'")
     path = Path(spec.submodule_search_locations[0]) / "ops" / "kda" / "naive.py"
     mod_spec = importlib.util.spec_from_file_location("fla_kda_naive", path)
     mod = importlib.util.module_from_spec(mod_spec)

@@ -12,7 +12,7 @@ from k3jax.config import K3Config
 from k3jax.nn.layers import BalanceState, KeyGen, PackedWeight, Proj, RMSNorm, RouterBias
 from k3jax.ops.grouped import moe_grouped, moe_per_token
 from k3jax.ops.balance import required_bias_histogram
-from k3jax.ops.mx import mxfp4_dequantize
+from k3jax.ops.mx import mxfp4_dequantize, mxfp4_quantize_traced
 from k3jax.ops.precision import acc_dtype
 from k3jax.ops.routing import expert_counts, router_topk
 from k3jax.ops.situ import glu
@@ -48,12 +48,12 @@ class Experts(nnx.Module):
 
     def __init__(self, cfg: K3Config, *, keys: KeyGen):
         E, D, I = cfg.num_experts, cfg.expert_in_dim, cfg.moe_intermediate_size
-        dt, std = jnp.dtype(cfg.dtype), cfg.initializer_range
+        std = cfg.initializer_range
         self.packed = cfg.expert_dtype == "mxfp4"
         if self.packed:
             for name, (o, i) in (("w1", (I, D)), ("w3", (I, D)), ("w2", (D, I))):
                 w = std * jax.random.normal(keys(), (E, o, i), jnp.float32)
-                p, s = _quantize_jnp(w)
+                p, s = mxfp4_quantize_traced(w)
                 setattr(self, f"{name}_packed", PackedWeight(p))
                 setattr(self, f"{name}_scale", PackedWeight(s))
             return
@@ -69,20 +69,6 @@ class Experts(nnx.Module):
         deq = lambda n: jnp.swapaxes(  # noqa: E731
             mxfp4_dequantize(getattr(self, f"{n}_packed")[...], getattr(self, f"{n}_scale")[...], dtype), -1, -2)
         return deq("w1"), deq("w3"), deq("w2")
-
-
-def _quantize_jnp(w: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Traceable MXFP4 quantization for random init of packed experts (same rule as ``ops.mx.mxfp4_quantize``)."""
-    g = w.reshape(*w.shape[:-1], -1, 32)
-    amax = jnp.max(jnp.abs(g), -1)
-    m, e = jnp.frexp(amax / 4.0)
-    exp = jnp.where(amax > 0, e - 1 + (2 * m >= 1.5), -127).astype(jnp.int32)
-    x = g / jnp.ldexp(jnp.float32(1.0), exp)[..., None]
-    mags = jnp.asarray([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
-    code = jnp.argmin(jnp.abs(jnp.minimum(jnp.abs(x), 6.0)[..., None] - mags), -1).astype(jnp.uint8)
-    code = (code | jnp.where((x < 0) & (code > 0), 8, 0).astype(jnp.uint8)).reshape(w.shape)
-    packed = code[..., 0::2] | (code[..., 1::2] << 4)
-    return packed.astype(jnp.uint8), (exp + 127).astype(jnp.uint8)
 
 
 class MoE(nnx.Module):

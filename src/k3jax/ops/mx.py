@@ -71,3 +71,18 @@ def mxfp4_quantize(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     code = code.reshape(w.shape)
     packed = (code[..., 0::2] | (code[..., 1::2] << 4)).astype(np.uint8)
     return packed, (exp + 127).astype(np.uint8)
+
+
+def mxfp4_quantize_traced(w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Traceable :func:`mxfp4_quantize` (same scale rule; ties go to the lower code) — for initialising packed
+    experts inside ``jax.eval_shape``/``jit``. Export uses the numpy version."""
+    g = w.reshape(*w.shape[:-1], -1, 32)
+    amax = jnp.max(jnp.abs(g), -1)
+    m, e = jnp.frexp(amax / 4.0)
+    exp = jnp.where(amax > 0, e - 1 + (2 * m >= 1.5), -127).astype(jnp.int32)
+    x = g / jnp.ldexp(jnp.float32(1.0), exp)[..., None]
+    mags = jnp.asarray([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    code = jnp.argmin(jnp.abs(jnp.minimum(jnp.abs(x), 6.0)[..., None] - mags), -1).astype(jnp.uint8)
+    code = (code | jnp.where((x < 0) & (code > 0), 8, 0).astype(jnp.uint8)).reshape(w.shape)
+    packed = code[..., 0::2] | (code[..., 1::2] << 4)
+    return packed.astype(jnp.uint8), (exp + 127).astype(jnp.uint8)
