@@ -12,8 +12,8 @@ import pytest
 from flax import nnx
 
 from k3jax import K3Config, K3ForCausalLM
-from k3jax.ops.balance import (bias_bounds, max_violation, quantile_bias_exact, quantile_from_histogram,
-                               required_bias, required_bias_histogram, sign_update)
+from k3jax.ops.balance import (bias_bounds, max_violation, quantile_balance_update, quantile_bias_exact,
+                               quantile_from_histogram, required_bias, required_bias_histogram, sign_update)
 from k3jax.ops.routing import expert_counts, router_topk
 
 
@@ -36,6 +36,35 @@ def test_histogram_quantile_within_one_bin_of_exact(rng):
     # every required bias lies inside the persistent bounds (sigmoid scores in (0, 1))
     r = required_bias(s, b, 8)
     assert float(r.min()) >= float(bounds[0]) and float(r.max()) <= float(bounds[1])
+
+
+@pytest.mark.parametrize("passes", [1, 3])
+def test_two_level_histogram_quantile_within_a_fine_bin_of_exact(rng, passes):
+    """Coarse bins over [min b − 1, max b + 1], then 1000 fine bins inside the crossing bin: the k/n quantile to
+    (coarse width)/1000 of the sort-based one, pass by pass."""
+    s = skewed_scores(rng)
+    b = jnp.asarray(rng.normal(size=64) * 0.2, jnp.float32)
+    exact = quantile_bias_exact(s, b, 8, center=False, passes=passes)
+    approx = quantile_balance_update(s, b, 8, bins=1000, passes=passes, center=False)
+    prev = quantile_bias_exact(s, b, 8, center=False, passes=passes - 1) if passes > 1 else b
+    fine = float(jnp.diff(bias_bounds(prev))[0]) / 1000 ** 2
+    # each pass reads to one fine bin; a pass's error moves the next pass's α by at most as much (Lipschitz 1)
+    assert float(jnp.max(jnp.abs(approx - exact))) <= passes * fine
+    coarse_only = quantile_from_histogram(required_bias_histogram(s, b, 8, bias_bounds(b)), bias_bounds(b), 8,
+                                          center=False)
+    if passes == 1:        # the fine read is what buys the accuracy: coarse-only misses by up to a coarse bin
+        assert float(jnp.max(jnp.abs(coarse_only - exact))) > 10 * float(jnp.max(jnp.abs(approx - exact)))
+
+
+def test_fixed_point_passes_balance_the_batch(rng):
+    """Passes re-solve with α from the new bias; on the same scores the load converges to k/n per expert."""
+    s = skewed_scores(rng, N=8192, skew=3.0)
+    logits = jnp.log(s / (1 - s))
+    vio = []
+    for passes in (1, 2, 4):
+        b = quantile_balance_update(s, jnp.zeros(64), 8, passes=passes)
+        vio.append(float(max_violation(expert_counts(router_topk(logits, b, 8, renormalize=False)[1], 64))))
+    assert vio[0] > vio[1] > vio[2] and vio[2] < 0.05, vio
 
 
 def test_one_update_balances_a_skewed_router(rng):
@@ -91,7 +120,7 @@ def test_integer_psum_over_8_devices_equals_single_device():
         os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
         import jax, jax.numpy as jnp, numpy as np
         from jax.sharding import PartitionSpec as P
-        from k3jax.ops.balance import required_bias_histogram, bias_bounds
+        from k3jax.ops.balance import required_bias_histogram, bias_bounds, quantile_balance_update
         rng = np.random.default_rng(0)
         s = jax.nn.sigmoid(jnp.asarray(rng.normal(size=(8 * 256, 32)), jnp.float32))
         b = jnp.asarray(rng.normal(size=32) * 0.3, jnp.float32)
@@ -105,8 +134,13 @@ def test_integer_psum_over_8_devices_equals_single_device():
         h1 = required_bias_histogram(s, b, 4, bounds, 500)
         assert h8.dtype == jnp.int32
         print("equal", bool(jnp.array_equal(h8, h1)), int(h1.sum()))
+        # the whole two-level, multi-pass update with its histograms psum'd equals the single-device one
+        upd = lambda s_shard: quantile_balance_update(s_shard, b, 4, 500, 2, reduce=lambda h: jax.lax.psum(h, "data"))
+        b8 = jax.shard_map(upd, mesh=mesh, in_specs=P("data"), out_specs=P())(
+            jax.device_put(s, jax.NamedSharding(mesh, P("data"))))
+        print("bias equal", bool(jnp.array_equal(b8, quantile_balance_update(s, b, 4, 500, 2))))
     """)
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert res.returncode == 0, res.stderr[-2000:]
-    assert "equal True" in res.stdout
+    assert "equal True" in res.stdout and "bias equal True" in res.stdout

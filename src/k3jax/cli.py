@@ -1,10 +1,12 @@
-"""``k3jax`` command line: ``demo``, ``params``, ``inspect``, ``convert``."""
+"""``k3jax`` command line: ``demo``, ``train``, ``generate``, ``params``, ``inspect``, ``convert``."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -182,6 +184,71 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+class _TextStream:
+    """Print a growing token list as text: only the new characters, holding back an unfinished UTF-8 sequence."""
+
+    def __init__(self, tokenizer, out):
+        self.tok, self.out, self.ids, self.shown = tokenizer, out, [], 0
+
+    def __call__(self, row: int, token: int) -> None:
+        self.ids.append(token)
+        text = self.tok.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return
+        self.out.write(text[self.shown:])
+        self.out.flush()
+        self.shown = len(text)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import logging
+    import sys
+
+    from k3jax.infer.engine import Engine
+    from k3jax.infer.load import load_model
+
+    logging.getLogger("absl").setLevel(logging.ERROR)
+    model, tok, what = load_model(args.model, dtype=args.dtype)
+    cfg = model.config
+    if cfg.vocab_size < tok.vocab_size:
+        console.print(f"[yellow]warning: tokenizer {tok.name} has {tok.vocab_size} ids, the model {cfg.vocab_size}")
+    prompts = args.prompt or [""]
+    ids = [([tok.bos_id] if (tok.bos_id is not None and not args.no_bos) else []) + tok.encode(p) for p in prompts]
+    stops = [tok.eos_id] if (tok.eos_id is not None and not args.ignore_eos) else []
+    stops += [int(s) for s in (args.stop or [])]
+    engine = Engine(model, chunk=args.chunk, max_len=args.max_len)
+    console.print(f"[bold]k3jax generate[/bold] {what}; tokenizer {tok.name}; "
+                  f"{'greedy' if args.temperature == 0 else f'temperature {args.temperature}'}"
+                  f"{f', top-k {args.top_k}' if args.top_k else ''}{f', top-p {args.top_p}' if args.top_p else ''}"
+                  f", seed {args.seed}", highlight=False)
+    stream = _TextStream(tok, sys.stdout) if (len(ids) == 1 and not args.no_stream) else None
+    if stream is not None:
+        sys.stdout.write(prompts[0])
+        sys.stdout.flush()
+    res = engine.generate(ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                          top_p=args.top_p, seed=args.seed, stop_tokens=stops, on_token=stream)
+    if stream is not None:
+        sys.stdout.write("\n")
+    else:
+        for p, out in zip(prompts, res.tokens):
+            console.rule()
+            console.print(p + tok.decode(out), markup=False, highlight=False)
+    st = res.stats
+    used = st["cache_bytes_in_use_per_sequence"]
+    console.print(f"prefill {st['prefill_tokens']} tokens in {st['prefill_s']:.2f} s (incl. compile); decode "
+                  f"{st['generated_tokens']} tokens, {st['decode_tokens_per_s']:.1f} tokens/s "
+                  f"({st['decode_steady_tokens_per_s']:.1f} tokens/s after the first, compiling, step)",
+                  highlight=False)
+    console.print(f"cache per sequence: {used['total']:,} bytes in use (KDA state {used['kda_recurrent_state']:,} + "
+                  f"conv {used['kda_conv_state']:,} + MLA latent {used['mla_latent_cache']:,}); "
+                  f"{st['cache_bytes_per_sequence']['total'] * len(ids):,} bytes allocated "
+                  f"(bucket {st['cache_bucket']} tokens × {len(ids)} sequences)", highlight=False)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"prompts": prompts, "tokens": res.tokens,
+                                               "text": [tok.decode(t) for t in res.tokens], "stats": st}, indent=2))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="k3jax", description="The Kimi K3 architecture in JAX.")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -199,6 +266,25 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--out", help="run directory (checkpoints, metrics.jsonl, plots)")
     t.add_argument("--plot", metavar="RUN_DIR", help="only (re)draw the plots of an existing run")
     t.set_defaults(fn=cmd_train)
+    g = sub.add_parser("generate", help="generate text from a preset, a training run or a release checkpoint")
+    g.add_argument("--model", required=True, help="preset name (random weights), k3jax train run directory, "
+                   "Orbax export or release checkpoint directory")
+    g.add_argument("--prompt", action="append", help="prompt text (repeat for a batch); default: empty after BOS")
+    g.add_argument("--max-new-tokens", type=int, default=200)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--stop", action="append", help="extra stop token id (EOS always stops unless --ignore-eos)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--no-bos", action="store_true", help="do not prepend the BOS token")
+    g.add_argument("--no-stream", action="store_true")
+    g.add_argument("--chunk", type=int, default=256, help="prefill chunk length")
+    g.add_argument("--max-len", type=int, default=None, help="longest prompt + generation (default "
+                   "max_position_embeddings)")
+    g.add_argument("--dtype", default=None, help="compute dtype override (float32, bfloat16)")
+    g.add_argument("--json", default=None, help="also write tokens, text and stats here")
+    g.set_defaults(fn=cmd_generate)
     q = sub.add_parser("params", help="parameter counts of a preset or a config.json / checkpoint directory")
     q.add_argument("model", help=f"preset ({', '.join(preset_names())}) or path")
     q.set_defaults(fn=cmd_params)

@@ -10,7 +10,8 @@ from flax import nnx
 
 from k3jax.config import K3Config
 from k3jax.nn.layers import KeyGen, Proj
-from k3jax.ops.kda import (causal_conv1d, kda_chunked, kda_gate_lower_bound, kda_gate_softplus, kda_recurrent)
+from k3jax.ops.kda import (causal_conv1d, kda_chunked, kda_gate_lower_bound, kda_gate_softplus, kda_recurrent,
+                           kda_step)
 from k3jax.ops.norm import gated_rms_norm, l2_norm
 from k3jax.ops.precision import acc_dtype
 
@@ -86,3 +87,38 @@ class KDAttention(nnx.Module):
         gate = self.g_proj(x) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x))
         o = gated_rms_norm(o.astype(x.dtype), gate, self.o_norm[...], self.eps)
         return self.o_proj(o)
+
+    def cached(self, x: jax.Array, state: tuple[jax.Array, ...], pos: jax.Array, n_new: jax.Array
+               ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+        """KDA for ``x [B, T, hidden]`` continuing from ``state = (S [B, nh, K, V] fp32, conv windows of q, k, v
+        [B, W−1, nh·hd])``; only the first ``n_new[b]`` tokens of row b are real. Padding leaves the state alone
+        (decay 0 and β = 0 there; the conv window keeps the last W−1 real inputs). T = 1 runs :func:`kda_step`,
+        longer chunks :func:`kda_chunked`. ``pos`` is unused (KDA has no positions). Returns ``(y, new state)``."""
+        del pos
+        B, T, _ = x.shape
+        nh, hd = self.num_heads, self.head_dim
+        S, *windows = state
+        valid = jnp.arange(T)[None, :] < n_new[:, None]                              # [B, T]
+
+        def qkv(proj: Proj, w: nnx.Param, window: jax.Array) -> tuple[jax.Array, jax.Array]:
+            u = proj(x).reshape(B, T, nh * hd)
+            y, _ = causal_conv1d(u, w[...], state=window)
+            xp = jnp.concatenate([window, u.astype(window.dtype)], axis=1)          # [B, W−1+T, P]
+            keep = n_new[:, None] + jnp.arange(window.shape[1])[None, :]             # last W−1 real inputs
+            return y.reshape(B, T, nh, hd), jnp.take_along_axis(xp, keep[:, :, None], axis=1)
+
+        (q, wq), (k, wk), (v, wv) = (qkv(self.q_proj, self.q_conv1d, windows[0]),
+                                     qkv(self.k_proj, self.k_conv1d, windows[1]),
+                                     qkv(self.v_proj, self.v_conv1d, windows[2]))
+        q, k = l2_norm(q), l2_norm(k)
+        g = jnp.where(valid[..., None, None], self.gate(x), 0.0)
+        beta = jnp.where(valid[..., None], jax.nn.sigmoid(self.b_proj(x).astype(acc_dtype(x))), 0.0)
+        if T == 1:
+            o, S = kda_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], S)
+            o = o[:, None]
+        else:
+            o, S = kda_chunked(q, k, v, g, beta, initial_state=S, output_final_state=True,
+                               safe_gate=self.gate_kind == "lower_bound")
+        gate = self.g_proj(x) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x))
+        o = gated_rms_norm(o.astype(x.dtype), gate, self.o_norm[...], self.eps)
+        return self.o_proj(o), (S, wq, wk, wv)

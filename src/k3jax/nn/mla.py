@@ -8,7 +8,7 @@ from flax import nnx
 
 from k3jax.config import K3Config
 from k3jax.nn.layers import KeyGen, Proj, RMSNorm
-from k3jax.ops.attention import mla_attention
+from k3jax.ops.attention import mla_attention, mla_latent_attention
 
 LORA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm are built without an eps in the release (spec §3)
 
@@ -59,3 +59,30 @@ class MLAttention(nnx.Module):
         if self.output_gate:
             o = o * jax.nn.sigmoid(self.g_proj(x))
         return self.o_proj(o)
+
+    def cached(self, x: jax.Array, cache: tuple[jax.Array, jax.Array], pos: jax.Array, n_new: jax.Array
+               ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        """Attention for ``x [B, T, hidden]`` at positions ``pos[b] + t`` against a latent cache, absorbed form.
+
+        ``cache = (c_kv [B, L, kv_lora_rank], k_r [B, L, qk_rope_head_dim])``; the first ``n_new[b]`` tokens of
+        row b are real (the rest padding, written but masked until overwritten). Writes this chunk's latents at
+        ``pos``, then attends over positions ``< pos + n_new`` (causally) without expanding keys or values.
+        Returns ``(y [B, T, hidden], new cache)``.
+        """
+        c_cache, r_cache = cache
+        q_n, q_r = self.queries(x)
+        c_kv, k_r = self.latent(x)
+        write = jax.vmap(lambda buf, new, p: jax.lax.dynamic_update_slice_in_dim(buf, new.astype(buf.dtype), p, 0))
+        c_cache, r_cache = write(c_cache, c_kv, pos), write(r_cache, k_r, pos)
+        w = self.kv_b_proj.kernel[...]                                            # [R, nh, dn + dv]
+        f32 = jnp.promote_types(x.dtype, jnp.float32)
+        q_lat = jnp.einsum("btnd,rnd->btnr", q_n.astype(f32), w[..., : self.dn].astype(f32),
+                           precision=jax.lax.Precision.HIGHEST)
+        T = x.shape[1]
+        q_pos = pos[:, None] + jnp.arange(T, dtype=pos.dtype)[None, :]
+        o_lat = mla_latent_attention(q_lat, q_r, c_cache, r_cache, q_pos, pos + n_new, self.scale)
+        o = jnp.einsum("btnr,rnd->btnd", o_lat, w[..., self.dn:].astype(f32),
+                       precision=jax.lax.Precision.HIGHEST).astype(x.dtype)
+        if self.output_gate:
+            o = o * jax.nn.sigmoid(self.g_proj(x))
+        return self.o_proj(o), (c_cache, r_cache)

@@ -13,6 +13,7 @@ from k3jax.nn.kda import KDAttention
 from k3jax.nn.layers import KeyGen, Proj, RMSNorm
 from k3jax.nn.mla import MLAttention
 from k3jax.nn.moe import MLP, MoE
+from k3jax.ops.balance import QBSettings
 from k3jax.ops.attnres import attnres_mix
 
 
@@ -57,37 +58,57 @@ class DecoderLayer(nnx.Module):
             return self.self_attn(h, kernel=kda_kernel, segment_ids=segment_ids)
         return self.self_attn(h, segment_ids=segment_ids)
 
-    def ffn(self, m: jax.Array, moe_grouped: bool, balance_bins: int) -> tuple[jax.Array, tuple | None]:
+    def ffn(self, m: jax.Array, moe_grouped: bool, balance: QBSettings | None) -> tuple[jax.Array, tuple | None]:
         h = self.post_attention_layernorm(m)
         if self.is_moe:
-            y, counts, hist = self.block_sparse_moe(h, grouped=moe_grouped, balance_bins=balance_bins)
-            return y, (counts, hist)
+            y, counts, new_bias = self.block_sparse_moe(h, grouped=moe_grouped, balance=balance)
+            return y, (counts, new_bias)
         return self.mlp(h), None
 
     def __call__(self, x: jax.Array, blocks: list[jax.Array], *, segment_ids: jax.Array | None = None,
-                 kda_kernel: str = "chunked", moe_grouped: bool = True, balance_bins: int = 0
+                 kda_kernel: str = "chunked", moe_grouped: bool = True, balance: QBSettings | None = None
                  ) -> tuple[jax.Array, list[jax.Array], tuple | None]:
-        """Returns ``(output partial sum, blocks, (expert counts, QB histogram) or None)`` (spec §2 steps 1–8)."""
+        """Returns ``(output partial sum, blocks, (expert counts, QB bias for the next step) or None)``."""
+        return self.residual_stream(x, blocks, lambda a: self.attention(a, segment_ids, kda_kernel),
+                                    moe_grouped, balance)
+
+    def cached(self, x: jax.Array, blocks: list[jax.Array], cache: tuple, pos: jax.Array, n_new: jax.Array
+               ) -> tuple[jax.Array, list[jax.Array], tuple]:
+        """The layer over a chunk that continues a cached sequence (see ``KDAttention.cached``/``MLAttention.cached``);
+        returns ``(output partial sum, blocks, new cache)``."""
+        new = []
+
+        def attend(a: jax.Array) -> jax.Array:
+            y, c = self.self_attn.cached(self.input_layernorm(a), cache, pos, n_new)
+            new.append(c)
+            return y
+
+        x, blocks, _ = self.residual_stream(x, blocks, attend, True, None)
+        return x, blocks, new[0]
+
+    def residual_stream(self, x: jax.Array, blocks: list[jax.Array], attend, moe_grouped: bool,
+                        balance: QBSettings | None) -> tuple[jax.Array, list[jax.Array], tuple | None]:
+        """Spec §2 steps 1–8: AttnRes reads (or a plain residual), attention via ``attend``, then the FFN."""
         if not self.attn_res:
-            x = x + self.attention(x, segment_ids, kda_kernel)
-            y, counts = self.ffn(x, moe_grouped, balance_bins)
+            x = x + attend(x)
+            y, counts = self.ffn(x, moe_grouped, balance)
             return x + y, blocks, counts
         p = x
         a = self.self_attention_res(blocks, p) if blocks else p          # identity only at layer 0
         sealed = self.idx % self.block_size == 0
         if sealed:                                                       # seal after the read, before attention
             blocks = blocks + [p]
-        y = self.attention(a, segment_ids, kda_kernel)
+        y = attend(a)
         p = y if sealed else p + y                                       # the partial sum restarts after a seal
         m = self.mlp_res(blocks, p)
-        f, counts = self.ffn(m, moe_grouped, balance_bins)
+        f, counts = self.ffn(m, moe_grouped, balance)
         return p + f, blocks, counts
 
 
 class CausalLMOutput(NamedTuple):
     logits: jax.Array              # [B, T, vocab]
     expert_counts: jax.Array       # [n_moe_layers, num_experts] int32 (tokens routed to each expert)
-    balance_hist: jax.Array | None = None   # [n_moe_layers, num_experts, bins] int32 (Quantile Balancing)
+    balance_bias: jax.Array | None = None   # [n_moe_layers, num_experts] fp32: Quantile Balancing's next bias
 
 
 class K3Model(nnx.Module):
@@ -105,18 +126,31 @@ class K3Model(nnx.Module):
             self.output_attn_res = AttnResSite(cfg)
 
     def __call__(self, input_ids: jax.Array, *, segment_ids: jax.Array | None = None, kda_kernel: str = "chunked",
-                 moe_grouped: bool = True, balance_bins: int = 0) -> tuple[jax.Array, list[tuple]]:
+                 moe_grouped: bool = True, balance: QBSettings | None = None) -> tuple[jax.Array, list[tuple]]:
         x = jnp.take(self.embed_tokens[...], input_ids, axis=0)
         blocks: list[jax.Array] = []
         counts = []
         for layer in self.layers:
             x, blocks, c = layer(x, blocks, segment_ids=segment_ids, kda_kernel=kda_kernel, moe_grouped=moe_grouped,
-                                 balance_bins=balance_bins)
+                                 balance=balance)
             if c is not None:
                 counts.append(c)
         if self.attn_res:
             x = self.output_attn_res(blocks, x)
         return self.norm(x), counts
+
+    def cached(self, input_ids: jax.Array, caches: list[tuple], pos: jax.Array, n_new: jax.Array
+               ) -> tuple[jax.Array, list[tuple]]:
+        """Final hidden states ``[B, T, hidden]`` of a chunk continuing cached sequences, and the new caches."""
+        x = jnp.take(self.embed_tokens[...], input_ids, axis=0)
+        blocks: list[jax.Array] = []
+        new = []
+        for layer, cache in zip(self.layers, caches):
+            x, blocks, c = layer.cached(x, blocks, cache, pos, n_new)
+            new.append(c)
+        if self.attn_res:
+            x = self.output_attn_res(blocks, x)
+        return self.norm(x), new
 
 
 class K3ForCausalLM(nnx.Module):
@@ -132,22 +166,33 @@ class K3ForCausalLM(nnx.Module):
                                 init_std=cfg.initializer_range, keys=keys)
 
     def forward(self, input_ids: jax.Array, *, segment_ids: jax.Array | None = None, kda_kernel: str = "chunked",
-                moe_grouped: bool = True, balance_bins: int = 0) -> CausalLMOutput:
-        """Logits and per-MoE-layer expert token counts (what load balancing consumes); with ``balance_bins`` also
-        each MoE layer's Quantile Balancing histogram. ``segment_ids [B, T]`` marks packed documents."""
+                moe_grouped: bool = True, balance: QBSettings | None = None) -> CausalLMOutput:
+        """Logits and per-MoE-layer expert token counts (what load balancing consumes); with ``balance`` also
+        each MoE layer's Quantile Balancing bias for the next step (computed from this batch, not used on it). ``segment_ids [B, T]`` marks packed documents."""
         input_ids = jnp.asarray(input_ids)
         if input_ids.ndim != 2 or not jnp.issubdtype(input_ids.dtype, jnp.integer):
             raise ValueError(f"input_ids: expected integer ids of shape [B, T], got {input_ids.dtype}{input_ids.shape}")
         h, counts = self.model(input_ids, segment_ids=segment_ids, kda_kernel=kda_kernel, moe_grouped=moe_grouped,
-                               balance_bins=balance_bins)
-        if self.config.tie_word_embeddings:
-            logits = jnp.einsum("btd,vd->btv", h, self.model.embed_tokens[...].astype(h.dtype))
-        else:
-            logits = self.lm_head(h)
+                               balance=balance)
+        logits = self.head(h)
         E = self.config.num_experts or 0
         c = jnp.stack([x[0] for x in counts]) if counts else jnp.zeros((0, E), jnp.int32)
-        hist = jnp.stack([x[1] for x in counts]) if (counts and balance_bins) else None
-        return CausalLMOutput(logits, c, hist)
+        nb = jnp.stack([x[1] for x in counts]) if (counts and balance is not None) else None
+        return CausalLMOutput(logits, c, nb)
+
+    def head(self, h: jax.Array) -> jax.Array:
+        """Logits ``[..., vocab]`` from final hidden states."""
+        if self.config.tie_word_embeddings:
+            return jnp.einsum("...d,vd->...v", h, self.model.embed_tokens[...].astype(h.dtype))
+        return self.lm_head(h)
+
+    def forward_cached(self, input_ids: jax.Array, caches: list[tuple], pos: jax.Array, n_new: jax.Array
+                       ) -> tuple[jax.Array, list[tuple]]:
+        """Logits ``[B, T, vocab]`` for a chunk of ``input_ids [B, T]`` at positions ``pos[b] + t`` continuing the
+        sequences held in ``caches`` (one per layer, see :mod:`k3jax.infer.cache`); row b's first ``n_new[b]``
+        tokens are real. Returns the logits and the updated caches."""
+        h, new = self.model.cached(input_ids, caches, pos, n_new)
+        return self.head(h), new
 
     def __call__(self, input_ids: jax.Array, **kw) -> jax.Array:
         return self.forward(input_ids, **kw).logits

@@ -11,7 +11,7 @@ from flax import nnx
 from k3jax.config import K3Config
 from k3jax.nn.layers import BalanceState, KeyGen, PackedWeight, Proj, RMSNorm, RouterBias
 from k3jax.ops.grouped import moe_grouped, moe_per_token
-from k3jax.ops.balance import required_bias_histogram
+from k3jax.ops.balance import QBSettings, quantile_balance_update
 from k3jax.ops.mx import mxfp4_dequantize, mxfp4_quantize_traced
 from k3jax.ops.precision import acc_dtype
 from k3jax.ops.routing import expert_counts, router_topk
@@ -112,19 +112,18 @@ class MoE(nnx.Module):
         bias = self.e_score_correction_bias[...] if self.use_bias else None
         return router_topk(self.router_logits(x), bias, **self.cfg_route)
 
-    def balance_histogram(self, x: jax.Array, bins: int) -> jax.Array:
-        """Quantile Balancing's ``[E, bins]`` counts of required biases for tokens ``x [N, hidden]``."""
-        scores = jax.nn.sigmoid(jax.lax.stop_gradient(self.router_logits(x)))
-        return required_bias_histogram(scores, self.e_score_correction_bias[...], self.top_k, self.qb_bounds[...],
-                                       bins)
+    def balance_update(self, x: jax.Array, qb: QBSettings) -> jax.Array:
+        """Quantile Balancing's bias ``[E]`` for the next step from tokens ``x [N, hidden]`` (not used on them)."""
+        scores = jax.nn.sigmoid(jax.lax.stop_gradient(self.router_logits(x))).astype(jnp.float32)
+        return quantile_balance_update(scores, self.e_score_correction_bias[...], self.top_k, qb.bins, qb.passes)
 
-    def __call__(self, x: jax.Array, *, grouped: bool = True, balance_bins: int = 0
+    def __call__(self, x: jax.Array, *, grouped: bool = True, balance: QBSettings | None = None
                  ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
-        """Returns ``(y, counts [E], histogram [E, bins] or None)`` — the histogram feeds Quantile Balancing."""
+        """Returns ``(y, counts [E], next QB bias [E] or None)``."""
         B, T, H = x.shape
         xf = x.reshape(B * T, H)
         w, idx = self.route(xf)
-        hist = self.balance_histogram(xf, balance_bins) if balance_bins else None
+        new_bias = self.balance_update(xf, balance) if balance is not None else None
         z = self.routed_expert_down_proj(xf) if self.latent else xf
         fn = moe_grouped if grouped else moe_per_token
         y = fn(z, idx, w, *self.experts.weights(z.dtype), self.act).astype(x.dtype)
@@ -134,4 +133,4 @@ class MoE(nnx.Module):
             y = self.routed_expert_up_proj(y)
         if self.shared_experts is not None:
             y = y + self.shared_experts(xf)
-        return y.reshape(B, T, H), expert_counts(idx, self.num_experts), hist
+        return y.reshape(B, T, H), expert_counts(idx, self.num_experts), new_bias

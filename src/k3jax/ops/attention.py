@@ -33,3 +33,50 @@ def mla_attention(q_nope: jax.Array, q_rope: jax.Array, k_nope: jax.Array, k_rop
     p = jax.nn.softmax(s, axis=-1)
     o = jnp.einsum("bnts,bsnd->btnd", p, v.astype(f32), precision=HIGHEST, preferred_element_type=f32)
     return o.astype(v.dtype)
+
+
+def mla_latent_attention(q_latent: jax.Array, q_rope: jax.Array, c_kv: jax.Array, k_rope: jax.Array,
+                         q_pos: jax.Array, kv_len: jax.Array, scale: float, block: int = 512) -> jax.Array:
+    """MLA in absorbed form over a latent cache, blockwise with an online softmax (never a full score matrix).
+
+    With ``k_n = c_kv W_kᵀ`` and ``v = c_kv W_v`` per head, ``q_n·k_n = (q_n W_k)·c_kv``, so the queries are
+    brought into the latent space once (``q_latent = q_n W_k``, per head) and keys/values are never expanded:
+    ``s = (q_latent·c_kv + q_r·k_r) · scale``, ``o_latent = softmax(s) c_kv``; the caller applies ``W_v``.
+
+    ``q_latent [B, T, N, R]``, ``q_rope [B, T, N, Dr]``, cache ``c_kv [B, L, R]``, ``k_rope [B, L, Dr]``;
+    ``q_pos [B, T]`` each query's position (it sees keys ``τ ≤ q_pos``), ``kv_len [B]`` filled cache length
+    (keys ``τ ≥ kv_len`` are masked). Key blocks of ``block`` (dividing L) are visited only up to ``max(kv_len)``,
+    so the work grows with the context actually used, not the cache's bucket. Returns ``o_latent [B, T, N, R]``
+    fp32; peak extra memory ``B·T·N·block`` scores.
+    """
+    B, L, R = c_kv.shape
+    T, N = q_latent.shape[1], q_latent.shape[2]
+    if L % block:
+        block = L
+    f32 = jnp.float32
+    ql = q_latent.astype(f32) * scale
+    qr = q_rope.astype(f32) * scale
+    n_blocks = (jnp.max(kv_len) + block - 1) // block
+
+    def body(j, carry):
+        m, l, acc = carry
+        start = j * block
+        c = jax.lax.dynamic_slice_in_dim(c_kv, start, block, axis=1).astype(f32)       # [B, blk, R]
+        kr = jax.lax.dynamic_slice_in_dim(k_rope, start, block, axis=1).astype(f32)
+        s = jnp.einsum("btnr,bsr->btns", ql, c, precision=HIGHEST)
+        if qr.shape[-1]:
+            s = s + jnp.einsum("btnd,bsd->btns", qr, kr, precision=HIGHEST)
+        pos = start + jnp.arange(block)
+        ok = (pos[None, None, :] <= q_pos[:, :, None]) & (pos[None, None, :] < kv_len[:, None, None])  # [B,T,blk]
+        s = jnp.where(ok[:, :, None, :], s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        p = jnp.exp(s - m_safe[..., None])
+        corr = jnp.exp(jnp.where(jnp.isfinite(m), m - m_safe, -jnp.inf))
+        l = l * corr + jnp.sum(p, axis=-1)
+        acc = acc * corr[..., None] + jnp.einsum("btns,bsr->btnr", p, c, precision=HIGHEST)
+        return m_new, l, acc
+
+    init = (jnp.full((B, T, N), -jnp.inf, f32), jnp.zeros((B, T, N), f32), jnp.zeros((B, T, N, R), f32))
+    _, l, acc = jax.lax.fori_loop(0, n_blocks, body, init)
+    return acc / jnp.maximum(l, 1e-30)[..., None]

@@ -23,7 +23,7 @@ from flax import nnx
 
 from k3jax.config import ConfigError, K3Config, preset_names
 from k3jax.nn.model import K3ForCausalLM
-from k3jax.ops.balance import bias_bounds, max_violation, quantile_from_histogram, sign_update
+from k3jax.ops.balance import QBSettings, bias_bounds, max_violation, sign_update
 from k3jax.train.checkpoint import Checkpointer
 from k3jax.train.data import Dataset, DataError, make_tokenizer, stdlib_corpus, user_corpus
 from k3jax.train.metrics import MetricsLog, plot_run
@@ -48,6 +48,7 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     balance: str = "quantile"                 # "quantile" | "sign" | "none"
     balance_bins: int = 1000
+    balance_passes: int = 3                   # QB fixed-point passes per step (1 = a single closed-form solve)
     sign_gamma: float = 1e-3
     eval_every: int = 50
     eval_batches: int = 8
@@ -108,7 +109,7 @@ class TrainConfig:
 
     def validate(self) -> None:
         for name in ("seq_len", "batch_size", "steps", "eval_every", "save_every", "keep", "eval_batches",
-                     "balance_bins"):
+                     "balance_bins", "balance_passes"):
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
                 raise ConfigError(f"training config: {name}: expected a positive integer, got {v!r}")
@@ -157,7 +158,7 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> jax
 def make_step(graphdef, params_template, rest_template, optimizer, c: TrainConfig, cfg: K3Config):
     """The jitted training step over (params, rest, opt_state, batch) as pure pytrees."""
     k = cfg.num_experts_per_token or 0
-    bins = c.balance_bins if (c.balance == "quantile" and cfg.moe_layers) else 0
+    qb = QBSettings(c.balance_bins, c.balance_passes) if (c.balance == "quantile" and cfg.moe_layers) else None
 
     def to_state(template, pure):
         st = jax.tree.map(lambda x: x, template)
@@ -166,7 +167,7 @@ def make_step(graphdef, params_template, rest_template, optimizer, c: TrainConfi
 
     def loss_fn(params, rest, batch):
         model = nnx.merge(graphdef, to_state(params_template, params), to_state(rest_template, rest))
-        out = model.forward(batch["input_ids"], segment_ids=batch["segment_ids"], balance_bins=bins)
+        out = model.forward(batch["input_ids"], segment_ids=batch["segment_ids"], balance=qb)
         return cross_entropy(out.logits, batch["targets"], batch["loss_mask"]), out
 
     @jax.jit
@@ -200,7 +201,7 @@ def balance_rest(rest: dict, out, c: TrainConfig, k: int) -> dict:
             continue
         b = moe["e_score_correction_bias"]
         if c.balance == "quantile":
-            nb = quantile_from_histogram(out.balance_hist[j], moe["qb_bounds"], k).astype(b.dtype)
+            nb = out.balance_bias[j].astype(b.dtype)
         else:
             nb = sign_update(b, out.expert_counts[j], c.sign_gamma).astype(b.dtype)
         new_layers[i] = {**layers[i], "block_sparse_moe": {**moe, "e_score_correction_bias": nb,
@@ -331,20 +332,14 @@ def evaluate(eval_fn, params, rest, data: Dataset, c: TrainConfig) -> float:
     return float(np.mean(losses))
 
 
-def greedy_sample(model: K3ForCausalLM, tokenizer, prompt: str, new_tokens: int = 200, window: int = 256) -> str:
-    """Greedy continuation by re-running the model on a fixed-size window (one compile; no decode cache here)."""
+def greedy_sample(model: K3ForCausalLM, tokenizer, prompt: str, new_tokens: int = 200) -> str:
+    """Greedy continuation of ``prompt`` with the inference engine (chunked prefill, cached decode), EOS stops."""
+    from k3jax.infer.engine import Engine
+
     ids = [tokenizer.bos_id] + tokenizer.encode(prompt)
-    fwd = jax.jit(lambda x: model(x))
-    for _ in range(new_tokens):
-        ctx = ids[-window:]
-        buf = np.full((1, window), tokenizer.pad_id, np.int32)
-        buf[0, : len(ctx)] = ctx
-        logits = fwd(jnp.asarray(buf))
-        nxt = int(jnp.argmax(logits[0, len(ctx) - 1]))
-        if nxt == tokenizer.eos_id:
-            break
-        ids.append(nxt)
-    return tokenizer.decode(ids[1:])
+    res = Engine(model, chunk=64).generate([ids], new_tokens, stop_tokens=[tokenizer.eos_id])
+    out = res.tokens[0]
+    return prompt + tokenizer.decode(out[:-1] if out and out[-1] == tokenizer.eos_id else out)
 
 
 __all__ = ["TrainConfig", "TrainResult", "TrainingError", "train", "greedy_sample", "DataError"]

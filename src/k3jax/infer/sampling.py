@@ -1,0 +1,43 @@
+"""Next-token sampling: greedy, temperature, top-k, top-p — all traced, so changing them never recompiles."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+class SamplingError(ValueError):
+    """An invalid sampling setting; the message names it."""
+
+
+def check_sampling(temperature: float, top_k: int | None, top_p: float | None, max_new_tokens: int) -> None:
+    if not (isinstance(temperature, (int, float)) and temperature >= 0 and temperature == temperature):
+        raise SamplingError(f"temperature: expected a number ≥ 0 (0 = greedy), got {temperature!r}")
+    if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
+        raise SamplingError(f"top_k: expected a positive integer or None, got {top_k!r}")
+    if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+        raise SamplingError(f"top_p: expected a number in (0, 1] or None, got {top_p!r}")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise SamplingError(f"max_new_tokens: expected an integer ≥ 0, got {max_new_tokens!r}")
+
+
+def sample_next(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_k: jax.Array,
+                top_p: jax.Array) -> jax.Array:
+    """``logits [B, V]`` → token ids ``[B]`` int32.
+
+    ``temperature`` 0 → argmax; otherwise softmax(logits / T) restricted to the ``top_k`` largest (0 = all) and to
+    the smallest set whose probability reaches ``top_p`` (1 = all), then one categorical draw per row."""
+    logits = logits.astype(jnp.float32)
+    V = logits.shape[-1]
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    x = logits / jnp.maximum(temperature, 1e-6)
+    srt = jnp.sort(x, axis=-1)[:, ::-1]                                          # descending
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
+    kth = jnp.take(srt, k - 1, axis=-1)                                          # [B]
+    p = jax.nn.softmax(srt, axis=-1)
+    before = jnp.cumsum(p, axis=-1) - p                                          # mass strictly above each entry
+    keep_sorted = (before < top_p) | (jnp.arange(V) == 0)
+    pth = jnp.min(jnp.where(keep_sorted, srt, jnp.inf), axis=-1)                 # smallest kept logit
+    x = jnp.where((x >= kth[:, None]) & (x >= pth[:, None]), x, -jnp.inf)
+    drawn = jax.random.categorical(key, x, axis=-1).astype(jnp.int32)
+    return jnp.where(temperature > 0, drawn, greedy)

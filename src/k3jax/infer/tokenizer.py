@@ -1,0 +1,110 @@
+"""Text in, text out: the byte-level tokenizer, a Hugging Face ``tokenizer.json``, and the release's own tiktoken
+BPE (``tiktoken.model`` + special tokens from ``tokenizer_config.json``), all offline."""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+
+from k3jax.train.data import ByteTokenizer, DataError, HFTokenizer
+
+# Moonshot's pre-tokenisation pattern (``TikTokenTokenizer.pat_str`` in the release's ``tokenization_kimi.py``,
+# shared by Moonlight, Kimi K2 and K3): Han runs split from Latin-script words, numbers in groups of ≤ 3.
+KIMI_PAT_STR = "|".join([
+    r"[\p{Han}]+",
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"\p{N}{1,3}",
+    r" ?[^\s\p{L}\p{N}]+[\r\n]*",
+    r"\s*[\r\n]+",
+    r"\s+(?!\S)",
+    r"\s+",
+])
+NUM_RESERVED_SPECIAL = 256        # the release reserves 256 ids after the BPE ranks for special tokens
+
+
+def read_tiktoken_ranks(path: Path) -> dict[bytes, int]:
+    """``tiktoken.model``: one ``<base64 token> <rank>`` per line."""
+    ranks: dict[bytes, int] = {}
+    try:
+        lines = path.read_bytes().splitlines()
+    except OSError as e:
+        raise DataError(f"{path}: cannot read ({e.strerror})") from None
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        parts = line.split()
+        try:
+            if len(parts) != 2:
+                raise ValueError
+            ranks[base64.b64decode(parts[0], validate=True)] = int(parts[1])
+        except ValueError:
+            raise DataError(f"{path}: line {n}: expected '<base64 token> <rank>', got {line[:60]!r}") from None
+    if not ranks:
+        raise DataError(f"{path}: no BPE ranks")
+    return ranks
+
+
+class TiktokenTokenizer:
+    """The release tokenizer: ``tiktoken.model`` ranks + ``tokenizer_config.json`` specials, through ``tiktoken``."""
+
+    def __init__(self, directory: str | Path):
+        import tiktoken
+
+        d = Path(directory)
+        ranks = read_tiktoken_ranks(d / "tiktoken.model")
+        base = len(ranks)
+        specials: dict[str, int] = {}
+        cfg_path = d / "tokenizer_config.json"
+        cfg = {}
+        if cfg_path.exists():
+            try:
+                cfg = json.loads(cfg_path.read_text())
+            except json.JSONDecodeError as e:
+                raise DataError(f"{cfg_path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+            for i, tok in (cfg.get("added_tokens_decoder") or {}).items():
+                specials[tok["content"] if isinstance(tok, dict) else str(tok)] = int(i)
+        taken = set(specials.values())
+        for i in range(base, base + NUM_RESERVED_SPECIAL):
+            if i not in taken:
+                specials[f"<|reserved_token_{i}|>"] = i
+        self.enc = tiktoken.Encoding(name=f"k3jax:{d.name}", pat_str=KIMI_PAT_STR, mergeable_ranks=ranks,
+                                     special_tokens=specials)
+        self.name = f"tiktoken:{d.name}"
+        self.vocab_size = self.enc.n_vocab
+
+        def special(key: str, fallback: str) -> int | None:
+            v = cfg.get(key)
+            v = v.get("content") if isinstance(v, dict) else v
+            return specials.get(v or fallback)
+
+        self.bos_id = special("bos_token", "[BOS]")
+        self.eos_id = special("eos_token", "[EOS]")
+        self.pad_id = special("pad_token", "[PAD]") or self.eos_id
+        self.specials = specials
+
+    def encode(self, text: str) -> list[int]:
+        return self.enc.encode(text, allowed_special="all")
+
+    def decode(self, ids) -> str:
+        return self.enc.decode([int(i) for i in ids])
+
+
+def load_tokenizer(spec: str | Path | None):
+    """``None``/``"bytes"`` → bytes; a ``tokenizer.json`` file → Hugging Face; a directory → its ``tiktoken.model``
+    (the release format) or else its ``tokenizer.json``."""
+    if spec in (None, "", "bytes"):
+        return ByteTokenizer()
+    p = Path(spec)
+    if p.is_dir():
+        if (p / "tiktoken.model").exists():
+            return TiktokenTokenizer(p)
+        if (p / "tokenizer.json").exists():
+            return HFTokenizer(p / "tokenizer.json")
+        raise DataError(f"{p}: no tokenizer found (expected tiktoken.model or tokenizer.json)")
+    if p.is_file():
+        return HFTokenizer(p)
+    raise DataError(f"tokenizer {str(spec)!r}: not 'bytes', a tokenizer.json file or a directory holding one")
