@@ -74,6 +74,18 @@ def main() -> None:
         # HF's own prefill + one-token decode, as a check of the oracle itself
         pre = model(input_ids=ids[:, :-1], use_cache=True)
         step = model(input_ids=ids[:, -1:], past_key_values=pre.past_key_values, use_cache=True).logits[:, -1]
+        # HF's prefill of the first PREFIX tokens, then its cached decode of the rest, token by token
+        PREFIX = 60
+        state = model(input_ids=ids[:, :PREFIX], use_cache=True)
+        cache, dec = state.past_key_values, [state.logits[:, -1].float()]
+        for t in range(PREFIX, ids.shape[1] - 1):
+            r = model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+            cache = r.past_key_values
+            dec.append(r.logits[:, -1].float())
+        # and HF's own greedy generate from the prefix
+        gen = model.generate(ids[:, :PREFIX], max_new_tokens=12, do_sample=False, pad_token_id=0)
+    np.save(out / "decode_logits.npy", torch.stack(dec, 1).numpy())      # logits for positions PREFIX−1 … T−2
+    np.save(out / "generated.npy", gen[:, PREFIX:].numpy())
     np.save(out / "input_ids.npy", ids.numpy())
     np.save(out / "logits.npy", logits.numpy())
     print(json.dumps({"decode_vs_full": float((step - logits[:, -1]).abs().max()),

@@ -1,0 +1,185 @@
+"""Inference engine: chunked prefill + cached decode against the full forward, batching, absorbed MLA, sampling,
+tokenizers, errors, and no recompilation while decoding."""
+
+import base64
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from k3jax import K3Config, K3ForCausalLM
+from k3jax.infer import Engine, GenerationError, generate
+from k3jax.infer.cache import cache_bytes, init_cache
+from k3jax.infer.sampling import SamplingError, sample_next
+from k3jax.ops.attention import mla_attention, mla_latent_attention
+
+
+def config(kind: str) -> K3Config:
+    """The ``test`` preset (KDA + gated MLA, AttnRes, LatentMoE with SiTU, q-LoRA: every K3 feature on), or the
+    same with only KDA or only MLA layers."""
+    cfg = K3Config.from_preset("test")
+    lac = cfg.linear_attn_config
+    n = cfg.num_hidden_layers
+    if kind == "kda":
+        lac = dataclasses.replace(lac, kda_layers=list(range(1, n + 1)), full_attn_layers=[])
+    elif kind == "mla":
+        lac = dataclasses.replace(lac, kda_layers=[], full_attn_layers=list(range(1, n + 1)))
+    return cfg.replace(linear_attn_config=lac)
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {k: K3ForCausalLM(config(k), rngs=nnx.Rngs(1)) for k in ("mixed", "kda", "mla")}
+
+
+def decode_through(engine: Engine, ids: np.ndarray, prefix: int) -> np.ndarray:
+    """Logits for positions prefix−1 … T−1: prefill ``ids[:, :prefix]``, then feed the rest one token at a time."""
+    caches, last, lengths = engine.prefill(list(ids[:, :prefix]), max_new_tokens=ids.shape[1] - prefix)
+    out, pos = [np.asarray(last)], jnp.asarray(lengths)
+    for t in range(prefix, ids.shape[1]):
+        _, lg, caches = engine._decode(engine.state, caches, jnp.asarray(ids[:, t], jnp.int32), pos,
+                                       jax.random.key(0), jnp.float32(0), jnp.int32(0), jnp.float32(1))
+        out.append(np.asarray(lg))
+        pos = pos + 1
+    return np.stack(out, 1)
+
+
+@pytest.mark.parametrize("kind", ["mixed", "kda", "mla"])
+def test_prefix_prefill_plus_decode_equals_full_forward(models, kind, rng):
+    model = models[kind]
+    ids = rng.integers(0, model.config.vocab_size, (2, 45)).astype(np.int32)
+    full = np.asarray(model(jnp.asarray(ids)))
+    engine = Engine(model, chunk=16)                      # 3 prefill chunks, the last one padded
+    caches, all_logits, _ = engine.prefill(list(ids), all_logits=True)
+    assert np.max(np.abs(np.asarray(all_logits) - full)) <= 1e-4
+    got = decode_through(engine, ids, 20)                  # prefill 20 (chunks of 16: one full, one padded) + 25
+    assert np.max(np.abs(got - full[:, 19:])) <= 1e-4                 # positions 19 … 44
+    assert engine.traces == {"prefill": 2, "decode": 1}   # all_logits variant + last-logits variant; one decode
+
+
+def test_batched_prompts_equal_one_by_one(models, rng):
+    model = models["mixed"]
+    lens = [1, 7, 64, 100]
+    prompts = [list(rng.integers(0, model.config.vocab_size, n)) for n in lens]
+    engine = Engine(model, chunk=32)
+    batch = engine.generate(prompts, 6)
+    _, last_b, _ = engine.prefill(prompts, 6)
+    for i, p in enumerate(prompts):
+        alone = engine.generate([p], 6)
+        assert alone.tokens[0] == batch.tokens[i]
+        _, last_1, _ = engine.prefill([p], 6)
+        assert np.max(np.abs(np.asarray(last_1[0]) - np.asarray(last_b[i]))) <= 1e-4
+        full = np.asarray(model(jnp.asarray([p + batch.tokens[i][:-1]], jnp.int32)))[0, len(p) - 1:]
+        assert list(np.argmax(full, -1)) == batch.tokens[i]             # greedy = argmax of the full forward
+
+
+def test_absorbed_latent_attention_equals_expanded(rng):
+    B, T, N, R, Dn, Dr, Dv = 2, 37, 3, 16, 8, 4, 8
+    f = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)  # noqa: E731
+    c_kv, k_r, q_n, q_r = f(B, T, R), f(B, T, Dr), f(B, T, N, Dn), f(B, T, N, Dr)
+    w_k, w_v = f(R, N, Dn) / 4, f(R, N, Dv) / 4
+    k_n = jnp.einsum("btr,rnd->btnd", c_kv, w_k)
+    v = jnp.einsum("btr,rnd->btnd", c_kv, w_v)
+    expanded = mla_attention(q_n, q_r, k_n, k_r, v, 0.2)
+    L = 48                                                  # a bucket larger than T, in blocks of 8
+    pad = lambda x: jnp.pad(x, ((0, 0), (0, L - T), (0, 0)))  # noqa: E731
+    q_lat = jnp.einsum("btnd,rnd->btnr", q_n, w_k)
+    o_lat = mla_latent_attention(q_lat, q_r, pad(c_kv), pad(k_r), jnp.tile(jnp.arange(T), (B, 1)),
+                                 jnp.full((B,), T), 0.2, block=8)
+    absorbed = jnp.einsum("btnr,rnd->btnd", o_lat, w_v)
+    np.testing.assert_allclose(absorbed, expanded, atol=2e-5, rtol=1e-4)
+
+
+def test_decode_never_recompiles_and_cache_is_constant_for_kda(models):
+    model = models["mixed"]
+    engine = Engine(model, chunk=16)
+    engine.generate([[1, 2, 3]], 40)
+    engine.generate([[4, 5, 6, 7, 8]], 40)                  # same batch and bucket: nothing new to compile
+    assert engine.traces == {"prefill": 1, "decode": 1}
+    cfg = model.config
+    small, big = cache_bytes(init_cache(cfg, 1, 256)), cache_bytes(init_cache(cfg, 1, 4096))
+    assert small["kda_recurrent_state"] == big["kda_recurrent_state"] > 0
+    lac = cfg.linear_attn_config
+    assert small["kda_recurrent_state"] == 3 * lac.num_heads * lac.head_dim ** 2 * 4
+    assert big["mla_latent_cache"] == 2 * 4096 * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4
+
+
+def test_sampling_settings(models):
+    model = models["mixed"]
+    p = [[5, 6, 7]]
+    e = Engine(model, chunk=16)
+    greedy = e.generate(p, 8).tokens
+    assert e.generate(p, 8, temperature=1.0, top_k=1).tokens == greedy
+    assert e.generate(p, 8, temperature=1.0, top_p=1e-6).tokens == greedy
+    a = e.generate(p, 8, temperature=1.5, seed=3).tokens
+    assert a == e.generate(p, 8, temperature=1.5, seed=3).tokens                 # same seed → same output
+    assert any(e.generate(p, 8, temperature=1.5, seed=s).tokens != a for s in range(4, 8))
+    stop = greedy[0][2]
+    out = e.generate(p, 8, stop_tokens=[stop]).tokens[0]
+    assert out == greedy[0][: greedy[0].index(stop) + 1]
+    assert generate(model, p[0], 8) == greedy[0]
+    # top-k / top-p restrict the support: 400 draws never leave it
+    logits = jnp.asarray(np.linspace(0, 3, 50)[None].repeat(400, 0), jnp.float32)
+    draws = np.asarray(sample_next(logits, jax.random.key(0), jnp.float32(1), jnp.int32(3), jnp.float32(1)))
+    assert set(draws) <= {47, 48, 49} and len(set(draws)) == 3
+    probs = np.asarray(jax.nn.softmax(logits[0]))[::-1]
+    n_p = int(np.searchsorted(np.cumsum(probs), 0.5)) + 1          # smallest top set with mass ≥ 0.5
+    draws = np.asarray(sample_next(logits, jax.random.key(1), jnp.float32(1), jnp.int32(0), jnp.float32(0.5)))
+    assert set(draws) <= set(range(50 - n_p, 50)) and len(set(draws)) == n_p
+
+
+def test_bad_requests_raise_named_errors(models):
+    e = Engine(models["mixed"], chunk=16, max_len=64)
+    with pytest.raises(GenerationError, match="prompt 0: empty"):
+        e.generate([[]], 4)
+    with pytest.raises(GenerationError, match="prompts: expected at least one"):
+        e.generate([], 4)
+    with pytest.raises(GenerationError, match=r"prompt 1: 60 tokens \+ max_new_tokens 10 = 70 exceeds .* 64"):
+        e.generate([[1], [1] * 60], 10)
+    with pytest.raises(GenerationError, match=r"max_position_embeddings=4096"):
+        Engine(models["mixed"]).generate([[1] * 4000], 200)
+    with pytest.raises(GenerationError, match=r"token ids must lie in \[0, 512\)"):
+        e.generate([[1, 512]], 4)
+    for kw, field in [({"temperature": -1.0}, "temperature"), ({"top_k": 0}, "top_k"), ({"top_p": 1.5}, "top_p"),
+                      ({"top_p": 0.0}, "top_p")]:
+        with pytest.raises(SamplingError, match=field):
+            e.generate([[1]], 4, **kw)
+    with pytest.raises(SamplingError, match="max_new_tokens"):
+        e.generate([[1]], -1)
+
+
+def test_tiktoken_release_tokenizer_offline(tmp_path):
+    """A release-style directory: tiktoken.model (256 byte tokens + merges) and tokenizer_config.json specials."""
+    from k3jax.infer.tokenizer import TiktokenTokenizer, load_tokenizer
+
+    merges = [b"th", b"he", b"the", b" the", b"in", b"ing", "中文".encode()]
+    ranks = [bytes([i]) for i in range(256)] + merges
+    (tmp_path / "tiktoken.model").write_text(
+        "\n".join(f"{base64.b64encode(t).decode()} {i}" for i, t in enumerate(ranks)) + "\n")
+    base = len(ranks)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "added_tokens_decoder": {str(base): {"content": "[BOS]"}, str(base + 1): {"content": "[EOS]"},
+                                 str(base + 2): {"content": "<|im_end|>"}},
+        "bos_token": "[BOS]", "eos_token": "[EOS]"}))
+    tok = load_tokenizer(tmp_path)
+    assert isinstance(tok, TiktokenTokenizer)
+    assert (tok.bos_id, tok.eos_id, tok.vocab_size) == (base, base + 1, base + 256)
+    text = "the thing in the 中文 text<|im_end|>"
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+    assert ranks.index(b" the") in ids and base + 2 in ids and ranks.index("中文".encode()) in ids
+    (tmp_path / "tiktoken.model").write_text("not-base64!! x\n")
+    with pytest.raises(ValueError, match=r"tiktoken.model: line 1: expected '<base64 token> <rank>'"):
+        load_tokenizer(tmp_path)
+
+
+def test_generate_cli_on_a_preset(capsys):
+    from k3jax.cli import main
+
+    assert main(["generate", "--model", "test", "--prompt", "hi", "--max-new-tokens", "5", "--no-stream"]) == 0
+    out = capsys.readouterr().out
+    assert "tokens/s" in out and "cache per sequence" in out and "MLA latent" in out
