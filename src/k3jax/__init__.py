@@ -4,7 +4,7 @@ from k3jax.config import ConfigError, K3Config, LinearAttnConfig, preset_names
 from k3jax.nn.model import CausalLMOutput, K3ForCausalLM
 
 __all__ = ["ConfigError", "K3Config", "LinearAttnConfig", "preset_names", "CausalLMOutput", "K3ForCausalLM",
-           "load_pretrained", "save_pretrained"]
+           "load_pretrained", "save_pretrained", "generate"]
 __version__ = "0.1.0"
 
 
@@ -20,3 +20,11 @@ def save_pretrained(model, path, **kw):
     from k3jax.io.export import save_pretrained as _save
 
     return _save(model, path, **kw)
+
+
+def generate(model, prompt_ids, max_new_tokens, temperature=0.0, top_k=None, top_p=None, seed=0, **kw):
+    """Generated token ids for ``prompt_ids`` (one list of ids, or a list of them); greedy when temperature is 0.
+    See :func:`k3jax.infer.engine.generate` (stop tokens, prefill chunk)."""
+    from k3jax.infer.engine import generate as _generate
+
+    return _generate(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, **kw)
