@@ -1,0 +1,176 @@
+"""MoonEP planning: every expert-parallel rank processes exactly S×K (token, expert) pairs.
+
+Input ``counts [R, E]``: pairs source rank r routes to expert e (each rank holds S tokens with top-K, so every row
+sums to S·K). Expert e's home is rank ``e // (E/R)``. Start from the home placement (rank d's load = the pairs of its
+E/R home experts); then, while some rank is underloaded, *fill* the most underloaded rank u completely — its
+deficit D taken from one overloaded donor o, out of o's home experts, largest first, so u hosts at most E/R
+redundant experts — and never touch u again. The donor is the one whose excess fits D most tightly (it stays
+overloaded or lands on S·K exactly); only when no donor's excess covers D does the largest donor give D and turn
+underloaded itself (it is filled later, once). Each fill finishes one rank and the last rank is balanced by
+conservation, so there are at most R−1 fills, each a contiguous cut of one expert's pairs.
+
+Output ``alloc [R, E]`` int32, destination-major: how many of expert e's pairs rank d processes. An expert's pairs,
+ordered by source rank then by their order on the source, are split across ranks in increasing rank order; all
+downstream quantities (:func:`slots_from_alloc`, :func:`destinations`) are pure functions of ``alloc`` (and the
+routing) with shapes fixed by (S, K, E, R).
+
+:func:`plan_numpy` is the reference; :func:`plan` is the same algorithm (same tie-breaks) jit-compiled with static
+shapes (a ``fori_loop`` of R−1 fills).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+class PlanError(ValueError):
+    """Counts that no S×K plan can serve (shape, divisibility, negative or unequal per-rank totals)."""
+
+
+class Plan(NamedTuple):
+    alloc: np.ndarray | jax.Array       # [R, E] int32: pairs of expert e processed on rank d
+    fills: np.ndarray | jax.Array       # [R−1, 3] int32: (donor, receiver, pairs) per fill; −1 rows unused
+    n_fills: np.ndarray | jax.Array     # int32 scalar
+
+
+def _check(counts: np.ndarray) -> tuple[int, int, int]:
+    if counts.ndim != 2:
+        raise PlanError(f"counts: expected [R, E], got shape {counts.shape}")
+    R, E = counts.shape
+    if E % R:
+        raise PlanError(f"counts: E={E} experts must divide evenly over R={R} ranks")
+    if (counts < 0).any():
+        raise PlanError("counts: negative entries")
+    per_rank = counts.sum(1)
+    if (per_rank != per_rank[0]).any():
+        raise PlanError(f"counts: every source rank must route the same S·K pairs; row sums {per_rank.tolist()}")
+    return R, E, int(per_rank[0])
+
+
+def plan_numpy(counts) -> Plan:
+    """Reference planner (see the module docstring)."""
+    counts = np.asarray(counts, np.int64)
+    R, E, SK = _check(counts)
+    m = E // R
+    L = counts.sum(0)
+    alloc = np.zeros((R, E), np.int64)
+    alloc[np.arange(E) // m, np.arange(E)] = L
+    load = alloc.sum(1)
+    filled = np.zeros(R, bool)
+    fills = np.full((max(R - 1, 0), 3), -1, np.int64)
+    n = 0
+    for _ in range(R - 1):
+        deficit = SK - load
+        cand = (deficit > 0) & ~filled
+        if not cand.any():
+            break
+        u = int(np.argmax(np.where(cand, deficit, -1)))
+        D = int(deficit[u])
+        excess = load - SK
+        fit = excess >= D
+        o = int(np.argmin(np.where(fit, excess, np.iinfo(np.int64).max))) if fit.any() else int(np.argmax(excess))
+        home = np.arange(o * m, (o + 1) * m)
+        rem = alloc[o, home]
+        order = np.argsort(-rem, kind="stable")
+        before = np.cumsum(rem[order]) - rem[order]
+        take = np.clip(D - before, 0, rem[order])
+        alloc[o, home[order]] -= take
+        alloc[u, home[order]] += take
+        load[o] -= D
+        load[u] += D
+        filled[u] = True
+        fills[n] = (o, u, D)
+        n += 1
+    assert (load == SK).all()
+    return Plan(alloc.astype(np.int32), fills.astype(np.int32), np.int32(n))
+
+
+def plan(counts: jax.Array) -> Plan:
+    """Jittable planner with static shapes; identical results to :func:`plan_numpy` for valid counts."""
+    counts = jnp.asarray(counts, jnp.int32)
+    R, E = counts.shape
+    if E % R:
+        raise PlanError(f"counts: E={E} experts must divide evenly over R={R} ranks")
+    m = E // R
+    L = counts.sum(0)
+    SK = counts[0].sum()
+    alloc = jnp.zeros((R, E), jnp.int32).at[jnp.arange(E) // m, jnp.arange(E)].set(L)
+    big = jnp.iinfo(jnp.int32).max
+
+    def fill(i, carry):
+        alloc, load, filled, fills, n = carry
+        deficit = SK - load
+        cand = (deficit > 0) & ~filled
+        active = cand.any()
+        u = jnp.argmax(jnp.where(cand, deficit, -1))
+        D = deficit[u]
+        excess = load - SK
+        fit = excess >= D
+        o = jnp.where(fit.any(), jnp.argmin(jnp.where(fit, excess, big)), jnp.argmax(excess))
+        rem = jax.lax.dynamic_slice_in_dim(alloc[o], o * m, m)
+        order = jnp.argsort(-rem, stable=True)
+        r_sorted = rem[order]
+        take_sorted = jnp.clip(D - (jnp.cumsum(r_sorted) - r_sorted), 0, r_sorted)
+        take = jnp.zeros((m,), jnp.int32).at[order].set(take_sorted) * active
+        cols = o * m + jnp.arange(m)
+        alloc = alloc.at[o, cols].add(-take).at[u, cols].add(take)
+        Da = D * active
+        load = load.at[o].add(-Da).at[u].add(Da)
+        filled = filled.at[u].set(filled[u] | active)
+        fills = fills.at[i].set(jnp.where(active, jnp.stack([o, u, D]).astype(jnp.int32), -1))
+        return alloc, load, filled, fills, n + active.astype(jnp.int32)
+
+    init = (alloc, alloc.sum(1), jnp.zeros((R,), bool), jnp.full((max(R - 1, 1), 3), -1, jnp.int32), jnp.int32(0))
+    alloc, _, _, fills, n = jax.lax.fori_loop(0, R - 1, fill, init)
+    return Plan(alloc, fills[: R - 1], n)
+
+
+# ------------------------------------------------------------------------------- pure functions of alloc
+def slots_from_alloc(alloc: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Per rank d: ``experts [R, 2m]`` (its m home experts, then up to m redundant ones in increasing id, −1 when
+    unused), ``group_sizes [R, 2m]`` (pairs per slot, for the grouped matmul) and ``fetch [R, m]`` (the redundant
+    experts whose weights rank d brings from their homes, −1 when none)."""
+    alloc = jnp.asarray(alloc)
+    R, E = alloc.shape
+    m = E // R
+    d = jnp.arange(R)[:, None]
+    e = jnp.arange(E)[None, :]
+    is_home = (e // m) == d
+    foreign = (alloc > 0) & ~is_home
+    # stable order: foreign experts first (by id), then the rest; keep the first m
+    key = jnp.where(foreign, e, E + e)
+    first = jnp.argsort(key, axis=1, stable=True)[:, :m]
+    fetch = jnp.where(jnp.take_along_axis(foreign, first, 1), first, -1).astype(jnp.int32)
+    home = (jnp.arange(R)[:, None] * m + jnp.arange(m)[None, :]).astype(jnp.int32)
+    experts = jnp.concatenate([home, fetch], axis=1)
+    sizes = jnp.where(experts >= 0, jnp.take_along_axis(alloc, jnp.maximum(experts, 0), 1), 0)
+    return experts, sizes.astype(jnp.int32), fetch
+
+
+def destinations(alloc: jax.Array, counts: jax.Array, rank: jax.Array, idx: jax.Array
+                 ) -> tuple[jax.Array, jax.Array]:
+    """For the pairs of source ``rank`` — expert ids ``idx [P]`` in their local order — the destination rank and the
+    slot in that rank's S·K receive buffer (laid out in the expert-slot order of :func:`slots_from_alloc`).
+
+    A pair's position in expert e's global order is (pairs of e on lower source ranks) + (its rank among this
+    source's pairs of e); expert e's positions are cut across destination ranks in increasing rank order."""
+    alloc = jnp.asarray(alloc)
+    R, E = alloc.shape
+    P_ = idx.shape[0]
+    onehot = jax.nn.one_hot(idx, E, dtype=jnp.int32)                                 # [P, E]
+    local_rank = jnp.take_along_axis(jnp.cumsum(onehot, 0) - onehot, idx[:, None], 1)[:, 0]
+    before_src = jnp.cumsum(counts, 0) - counts                                       # [R, E] exclusive over r
+    pos = before_src[rank, idx] + local_rank                                          # [P]
+    cum = jnp.cumsum(alloc, 0)                                                        # inclusive over d
+    dest = jnp.sum(cum[:, idx] <= pos[None, :], axis=0).astype(jnp.int32)            # [P]
+    start = (cum - alloc)[dest, idx]
+    experts, sizes, _ = slots_from_alloc(alloc)
+    seg_off = jnp.cumsum(sizes, 1) - sizes                                            # [R, 2m]
+    slot_of = jnp.argmax(experts[dest] == idx[:, None], axis=1)                      # [P]
+    slot = seg_off[dest, slot_of] + (pos - start)
+    del P_
+    return dest, slot.astype(jnp.int32)
