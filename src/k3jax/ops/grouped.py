@@ -28,12 +28,19 @@ def moe_grouped(x: jax.Array, idx: jax.Array, weights: jax.Array, w_gate: jax.Ar
     tok = order // k                                                       # source token of each sorted pair
     xs = jnp.take(x, tok, axis=0)                                          # [N·k, D]
     sizes = jnp.zeros((E,), jnp.int32).at[flat].add(1)
-    h = act(jax.lax.ragged_dot(xs, w_gate, sizes, precision=HIGHEST),
-            jax.lax.ragged_dot(xs, w_up, sizes, precision=HIGHEST))
     f = acc_dtype(x)
-    out = jax.lax.ragged_dot(h, w_down, sizes, precision=HIGHEST, preferred_element_type=f)
+    out = grouped_ffn(xs, sizes, w_gate, w_up, w_down, act)
     wsorted = jnp.take(weights.reshape(-1), order).astype(f)
     return jnp.zeros((N, x.shape[-1]), f).at[tok].add(out.astype(f) * wsorted[:, None])
+
+
+def grouped_ffn(xs: jax.Array, sizes: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
+                act: Act) -> jax.Array:
+    """Rows ``xs [M, D]`` sorted into consecutive groups of ``sizes [G]`` (Σ ≤ M; rows past the groups give 0),
+    group g through expert g: ``act(x W1_g, x W3_g) W2_g`` → ``[M, D]`` in ``promote(dtype, f32)``."""
+    h = act(jax.lax.ragged_dot(xs, w_gate, sizes, precision=HIGHEST),
+            jax.lax.ragged_dot(xs, w_up, sizes, precision=HIGHEST))
+    return jax.lax.ragged_dot(h, w_down, sizes, precision=HIGHEST, preferred_element_type=acc_dtype(xs))
 
 
 def moe_per_token(x: jax.Array, idx: jax.Array, weights: jax.Array, w_gate: jax.Array, w_up: jax.Array,

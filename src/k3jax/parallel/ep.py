@@ -1,0 +1,231 @@
+"""Expert parallelism inside ``shard_map``: MoonEP (exactly S×K pairs per rank) and two baselines.
+
+Every device holds S tokens (``z [S, D]``, top-K ``idx``/``w [S, K]``) and its E/R home experts' weights; the
+``expert`` mesh axis (R ranks) is the exchange group. Methods (same interface, same result up to drops):
+
+* ``"moonep"`` — plan (:mod:`k3jax.parallel.moonep`) from the all-gathered ``[R, E]`` counts, send each pair to
+  its planned slot, fetch ≤ E/R redundant experts' weights from their homes into static slots, one grouped matmul
+  over exactly S·K rows (2·E/R groups), and back. Gradients of fetched weights flow back to their home copy
+  through the transposed exchange.
+* ``"dropless"`` — every pair to its expert's home rank; a receive buffer sized for the worst case (S·K from each
+  of R sources: S·K·R rows) and a grouped matmul over it.
+* ``"capacity"`` — GShard-style: at most C = ⌈cf·S·K/E⌉ pairs per (source, expert); the rest are dropped
+  (contribute 0). Static buffer cf·S·K per rank.
+
+The pair exchange has two implementations with the same semantics: ``"ragged"`` (``jax.lax.ragged_all_to_all``:
+send and receive buffers of exactly S·K rows — GPU/TPU) and ``"dense"`` (``jax.lax.all_to_all`` of an [R, S·K]
+box per rank — the only one XLA:CPU runs; it transiently holds the worst-case R·S·K rows, the plan and the
+grouped matmul still see exactly S·K). ``"auto"`` picks ragged off CPU.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from k3jax.ops.grouped import grouped_ffn
+from k3jax.parallel.moonep import destinations, plan, slots_from_alloc
+
+Act = Callable[[jax.Array, jax.Array], jax.Array]
+METHODS = ("moonep", "dropless", "capacity")
+
+
+# ------------------------------------------------------------------------------------------------ exchanges
+def _bincount(x: jax.Array, n: int) -> jax.Array:
+    return jnp.zeros((n,), jnp.int32).at[x].add(1)
+
+
+def ragged_all_to_all_dense(operand: jax.Array, output: jax.Array, input_offsets: jax.Array, send_sizes: jax.Array,
+                            output_offsets: jax.Array, recv_sizes: jax.Array, *, axis_name: str) -> jax.Array:
+    """``jax.lax.ragged_all_to_all``'s semantics from a dense ``all_to_all`` (runs on CPU; holds R×operand rows)."""
+    R = send_sizes.shape[0]
+    M = operand.shape[0]
+    j = jnp.arange(M)
+    # box[d, j] = operand[input_offsets[d] + j] for j < send_sizes[d]
+    src = jnp.clip(input_offsets[:, None] + j[None, :], 0, M - 1)
+    box = jnp.take(operand, src.reshape(-1), axis=0).reshape(R, M, *operand.shape[1:])
+    # the destination offset travels with the rows
+    dst = jnp.where(j[None, :] < send_sizes[:, None], output_offsets[:, None] + j[None, :], output.shape[0])
+    rbox = jax.lax.all_to_all(box, axis_name, 0, 0)
+    rdst = jax.lax.all_to_all(dst, axis_name, 0, 0)
+    del recv_sizes
+    return output.at[rdst.reshape(-1)].set(rbox.reshape(-1, *operand.shape[1:]), mode="drop")
+
+
+def _ragged(kind: str):
+    if kind == "ragged":
+        return lambda *a, axis_name: jax.lax.ragged_all_to_all(*a, axis_name=axis_name)
+    return ragged_all_to_all_dense
+
+
+def _exchange_plan(send_dest: jax.Array, R: int, axis: str):
+    """Offsets for a ragged exchange where this rank's rows are sorted by destination: ``(in_off, send, out_off,
+    recv, recv_in_off)``; ``T[s, d]`` (rows s sends to d) is all-gathered, a [R, R] int matrix."""
+    r = jax.lax.axis_index(axis)
+    send = _bincount(send_dest, R)
+    T = jax.lax.all_gather(send, axis)                                    # [R, R]
+    in_off = jnp.cumsum(send) - send
+    out_off = (jnp.cumsum(T, 0) - T)[r]                                   # my rows' start in each d's buffer
+    recv = T[:, r]
+    recv_in_off = jnp.cumsum(recv) - recv
+    back_out = (jnp.cumsum(T, 1) - T)[:, r]                               # where my rows sit in s's send order
+    return in_off, send, out_off, recv, recv_in_off, back_out
+
+
+# --------------------------------------------------------------------------------------------------- MoonEP
+def _fetch_weights(ws: tuple[jax.Array, ...], fetch: jax.Array, axis: str, R: int) -> tuple[jax.Array, ...]:
+    """Bring each rank's redundant experts (``fetch [R, m]``, −1 = none) from their home ranks."""
+    r = jax.lax.axis_index(axis)
+    m = fetch.shape[1]
+    mine = (fetch >= 0) & (fetch // m == r)                               # [R(dest), m] slots I serve
+    local = jnp.where(mine, fetch % m, 0)
+    out = []
+    for w in ws:
+        box = jnp.take(w, local.reshape(-1), axis=0).reshape(R, m, *w.shape[1:])
+        box = box * mine.reshape(R, m, *([1] * (w.ndim - 1))).astype(w.dtype)
+        got = jax.lax.all_to_all(box, axis, 0, 0)                          # [R(source), m, ...]
+        out.append(jnp.sum(got, axis=0))                                  # one source per slot at most
+    return tuple(out)
+
+
+def moonep_local(z, idx, w, w1, w3, w2, *, act: Act, axis: str, exchange: str = "dense"):
+    """Per-device body of the MoonEP MoE (see the module docstring). Returns ``(y [S, D] fp32, stats)``."""
+    S, K = idx.shape
+    R = jax.lax.axis_size(axis)
+    m = w1.shape[0]
+    E = m * R
+    Pn = S * K
+    r = jax.lax.axis_index(axis)
+    e_flat = idx.reshape(Pn).astype(jnp.int32)
+    counts = jax.lax.all_gather(_bincount(e_flat, E), axis)               # [R, E]
+    pl = plan(counts)
+    dest, slot = destinations(pl.alloc, counts, r, e_flat)
+    order = jnp.argsort(dest, stable=True)
+    send_dest = dest[order]
+    send_x = jnp.take(z, order // K, axis=0)
+    in_off, send, out_off, recv, recv_in_off, back_out = _exchange_plan(send_dest, R, axis)
+    a2a = _ragged(exchange)
+    rx = a2a(send_x, jnp.zeros_like(send_x), in_off, send, out_off, recv, axis_name=axis)
+    rslot = a2a(slot[order], jnp.zeros_like(slot), in_off, send, out_off, recv, axis_name=axis)
+    buf = jnp.zeros_like(rx).at[rslot].set(rx)                            # expert-segment order
+    experts, sizes, fetch = slots_from_alloc(pl.alloc)
+    fw = _fetch_weights((w1, w3, w2), fetch, axis, R)
+    W1, W3, W2 = (jnp.concatenate([a, b.astype(a.dtype)], 0) for a, b in zip((w1, w3, w2), fw))
+    y_buf = grouped_ffn(buf, sizes[r], W1, W3, W2, act)                   # [S·K, D]: exactly S·K rows
+    y_rows = jnp.take(y_buf, rslot, axis=0)                               # back in receive order
+    y_send = a2a(y_rows, jnp.zeros_like(y_rows), recv_in_off, recv, back_out, send, axis_name=axis)
+    y_pairs = jnp.zeros_like(y_send).at[order].set(y_send)
+    y = jnp.sum(y_pairs.reshape(S, K, -1) * w.astype(y_pairs.dtype)[..., None], axis=1)
+    stats = {"fills": pl.n_fills, "fetched_experts": jnp.sum(fetch >= 0), "recv_rows": jnp.int32(Pn),
+             "dropped": jnp.int32(0)}
+    return y, stats
+
+
+# ------------------------------------------------------------------------------------------------ baselines
+def dropless_local(z, idx, w, w1, w3, w2, *, act: Act, axis: str, exchange: str = "dense"):
+    """Every pair to its expert's home; receive buffer for the worst case S·K·R; grouped matmul over it."""
+    S, K = idx.shape
+    R = jax.lax.axis_size(axis)
+    m = w1.shape[0]
+    Pn = S * K
+    e_flat = idx.reshape(Pn).astype(jnp.int32)
+    dest = e_flat // m
+    order = jnp.argsort(dest, stable=True)
+    send_x, send_e, send_dest = jnp.take(z, order // K, axis=0), e_flat[order] % m, dest[order]
+    send = _bincount(send_dest, R)
+    start = jnp.cumsum(send) - send
+    j = jnp.arange(Pn) - start[send_dest]
+    box = jnp.zeros((R, Pn, z.shape[-1]), z.dtype).at[send_dest, j].set(send_x)
+    ebox = jnp.full((R, Pn), m, jnp.int32).at[send_dest, j].set(send_e)          # m = empty row
+    rx = jax.lax.all_to_all(box, axis, 0, 0).reshape(R * Pn, -1)                 # worst-case buffer
+    re = jax.lax.all_to_all(ebox, axis, 0, 0).reshape(R * Pn)
+    srt = jnp.argsort(re, stable=True)
+    sizes = _bincount(re, m + 1)[:m]
+    y_sorted = grouped_ffn(jnp.take(rx, srt, axis=0), sizes, w1, w3, w2, act)    # over all R·S·K rows
+    y_rx = jnp.zeros_like(y_sorted).at[srt].set(y_sorted).reshape(R, Pn, -1)
+    back = jax.lax.all_to_all(y_rx, axis, 0, 0)                                  # [R(dest), Pn, D]
+    y_send = back[send_dest, j]
+    y_pairs = jnp.zeros_like(y_send).at[order].set(y_send)
+    y = jnp.sum(y_pairs.reshape(S, K, -1) * w.astype(y_pairs.dtype)[..., None], axis=1)
+    return y, {"fills": jnp.int32(0), "fetched_experts": jnp.int32(0), "recv_rows": jnp.int32(R * Pn),
+               "dropped": jnp.int32(0)}
+
+
+def capacity_local(z, idx, w, w1, w3, w2, *, act: Act, axis: str, capacity_factor: float = 1.25,
+                   exchange: str = "dense"):
+    """GShard capacity: ≤ C = ⌈cf·S·K/E⌉ pairs per (source, expert), overflow dropped; dense per-expert matmuls."""
+    S, K = idx.shape
+    R = jax.lax.axis_size(axis)
+    m = w1.shape[0]
+    E = m * R
+    Pn = S * K
+    C = max(1, math.ceil(capacity_factor * Pn / E))
+    e_flat = idx.reshape(Pn).astype(jnp.int32)
+    onehot = jax.nn.one_hot(e_flat, E, dtype=jnp.int32)
+    pos = jnp.take_along_axis(jnp.cumsum(onehot, 0) - onehot, e_flat[:, None], 1)[:, 0]
+    keep = pos < C
+    tok = jnp.arange(Pn) // K
+    box = jnp.zeros((E, C, z.shape[-1]), z.dtype).at[jnp.where(keep, e_flat, E), pos].set(
+        jnp.take(z, tok, axis=0), mode="drop")
+    rx = jax.lax.all_to_all(box.reshape(R, m, C, -1), axis, 0, 0)                # [R(source), m, C, D]
+    xs = jnp.swapaxes(rx, 0, 1).reshape(m, R * C, -1)
+    hi = jax.lax.Precision.HIGHEST
+    h = act(jnp.einsum("mnd,mdi->mni", xs, w1, precision=hi), jnp.einsum("mnd,mdi->mni", xs, w3, precision=hi))
+    f = jnp.promote_types(z.dtype, jnp.float32)
+    yo = jnp.einsum("mni,mid->mnd", h, w2, precision=hi, preferred_element_type=f)
+    back = jax.lax.all_to_all(jnp.swapaxes(yo.reshape(m, R, C, -1), 0, 1), axis, 0, 0).reshape(E, C, -1)
+    y_pairs = jnp.where(keep[:, None], back[jnp.minimum(e_flat, E - 1), jnp.minimum(pos, C - 1)], 0.0)
+    y = jnp.sum(y_pairs.reshape(S, K, -1) * w.astype(f)[..., None], axis=1)
+    return y, {"fills": jnp.int32(0), "fetched_experts": jnp.int32(0), "recv_rows": jnp.int32(E * C),
+               "dropped": jnp.sum(~keep).astype(jnp.int32)}
+
+
+LOCAL = {"moonep": moonep_local, "dropless": dropless_local, "capacity": capacity_local}
+
+
+# -------------------------------------------------------------------------------------------------- wrapper
+def token_axes(mesh: jax.sharding.Mesh) -> tuple[str, ...]:
+    """Mesh axes the token dimension is split over (everything data-like, plus the expert axis)."""
+    return tuple(a for a in ("data", "fsdp", "expert") if a in mesh.axis_names)
+
+
+def moe_expert_parallel(z: jax.Array, idx: jax.Array, w: jax.Array, w1: jax.Array, w3: jax.Array, w2: jax.Array,
+                        act: Act, *, mesh: jax.sharding.Mesh, method: str = "moonep", axis: str = "expert",
+                        exchange: str = "auto", capacity_factor: float = 1.25, with_stats: bool = False):
+    """Routed experts over the ``axis`` of ``mesh``: ``z [N, D]``, ``idx, w [N, K]``, ``w1, w3 [E, D, I]``,
+    ``w2 [E, I, D]`` → ``y [N, D]`` fp32 (= :func:`k3jax.ops.grouped.moe_grouped` for methods without drops).
+    N must split evenly over the token axes; E over ``axis``. With ``with_stats`` also per-rank stats [R·…]."""
+    if method not in LOCAL:
+        raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
+    R = mesh.shape[axis]
+    if w1.shape[0] % R:
+        raise ValueError(f"{w1.shape[0]} experts do not split over the {axis!r} axis of size {R}")
+    tax = token_axes(mesh)
+    ntok = math.prod(mesh.shape[a] for a in tax)
+    if z.shape[0] % ntok:
+        raise ValueError(f"{z.shape[0]} tokens do not split over mesh axes {tax} ({ntok} shards)")
+    if exchange == "auto":
+        exchange = "dense" if jax.default_backend() == "cpu" else "ragged"
+    kw = {"act": act, "axis": axis, "exchange": exchange}
+    if method == "capacity":
+        kw["capacity_factor"] = capacity_factor
+    body = partial(LOCAL[method], **kw)
+
+    def f(z, idx, w, w1, w3, w2):
+        y, st = body(z, idx, w, w1, w3, w2)
+        return y, {k: v[None] for k, v in st.items()}
+
+    tok, ex = P(tax), P(axis)
+    explicit = any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
+    place = (lambda x, s: jax.reshard(x, jax.NamedSharding(mesh, s))) if explicit else \
+        (lambda x, s: jax.lax.with_sharding_constraint(x, jax.NamedSharding(mesh, s)))
+    z, idx, w = (place(a, tok) for a in (z, idx, w))
+    w1, w3, w2 = (place(a, ex) for a in (w1, w3, w2))
+    out = jax.shard_map(f, mesh=mesh, in_specs=(tok, tok, tok, ex, ex, ex), out_specs=(tok, P(tax)),
+                        check_vma=False)(z, idx, w, w1, w3, w2)
+    return out if with_stats else out[0]
