@@ -59,3 +59,17 @@ print(g(x, send, in_off, out_off, recv).ravel().tolist())
     assert res.returncode == 0, res.stderr[-2000:]
     # rank 0 receives its own row 10 at 0, rank 1's rows 20, 21 at 1, 2; rank 1 receives 22 at 0, 11, 12 at 1, 2
     assert json.loads(res.stdout.strip().splitlines()[-1]) == [10.0, 20.0, 21.0, 22.0, 11.0, 12.0]
+
+
+@pytest.mark.slow
+def test_training_on_a_data2_expert4_mesh_follows_one_device():
+    """20 steps of ``train`` (test preset, MoonEP over expert=4, data=2) vs the same run on one device."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    res = subprocess.run([sys.executable, str(CHECK.with_name("ep_train_check.py")), "20"], capture_output=True,
+                         text=True, timeout=1500, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    d = json.loads(res.stdout.strip().splitlines()[-1])
+    assert len(d["single"]) == len(d["moonep"]) == 20
+    for a, b in zip(d["single"], d["moonep"]):
+        assert abs(a - b) <= 1e-4 * abs(a), (a, b)
+    assert d["single"][-1] < d["single"][0]                 # and it is learning

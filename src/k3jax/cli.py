@@ -152,6 +152,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         sets.append(f"data={args.data}")
     if args.out:
         sets.append(f"out={args.out}")
+    if args.mesh:
+        sets.append(f"mesh={args.mesh}")
     c = TrainConfig.load(args.config, sets)
     r = train(c, console=console)
     console.print(f"val loss {r.final_val_loss:.4f} nats/token after {r.steps} steps "
@@ -264,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--preset", help="model preset or config.json (same as --set model=…)")
     t.add_argument("--data", help=".txt / .jsonl / directory (default: the embedded standard-library corpus)")
     t.add_argument("--out", help="run directory (checkpoints, metrics.jsonl, plots)")
+    t.add_argument("--mesh", help="device mesh, e.g. data=2,expert=4 (routed experts over the expert axis with "
+                   "MoonEP; --set ep_method=dropless|capacity for the baselines)")
     t.add_argument("--plot", metavar="RUN_DIR", help="only (re)draw the plots of an existing run")
     t.set_defaults(fn=cmd_train)
     g = sub.add_parser("generate", help="generate text from a preset, a training run or a release checkpoint")

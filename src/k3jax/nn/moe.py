@@ -12,6 +12,8 @@ from k3jax.config import K3Config
 from k3jax.nn.layers import BalanceState, KeyGen, PackedWeight, Proj, RMSNorm, RouterBias
 from k3jax.ops.grouped import moe_grouped, moe_per_token
 from k3jax.ops.balance import QBSettings, quantile_balance_update
+from k3jax.parallel.ep import moe_expert_parallel
+from k3jax.parallel.mesh import current_expert_parallel
 from k3jax.ops.mx import mxfp4_dequantize, mxfp4_quantize_traced
 from k3jax.ops.precision import acc_dtype
 from k3jax.ops.routing import expert_counts, router_topk
@@ -125,8 +127,14 @@ class MoE(nnx.Module):
         w, idx = self.route(xf)
         new_bias = self.balance_update(xf, balance) if balance is not None else None
         z = self.routed_expert_down_proj(xf) if self.latent else xf
-        fn = moe_grouped if grouped else moe_per_token
-        y = fn(z, idx, w, *self.experts.weights(z.dtype), self.act).astype(x.dtype)
+        ep = current_expert_parallel()
+        if ep is not None and ep.mesh.shape["expert"] > 1:
+            y = moe_expert_parallel(z, idx, w, *self.experts.weights(z.dtype), self.act, mesh=ep.mesh,
+                                    method=ep.method, capacity_factor=ep.capacity_factor,
+                                    exchange=ep.exchange).astype(x.dtype)
+        else:
+            fn = moe_grouped if grouped else moe_per_token
+            y = fn(z, idx, w, *self.experts.weights(z.dtype), self.act).astype(x.dtype)
         if self.latent:
             if self.routed_expert_norm is not None:
                 y = self.routed_expert_norm(y)

@@ -16,3 +16,12 @@ def param_sharding(path: tuple, shape: tuple[int, ...], mesh: jax.sharding.Mesh)
     if "experts" in path and "expert" in mesh.axis_names and shape and shape[0] % mesh.shape["expert"] == 0:
         return NamedSharding(mesh, P("expert", *([None] * (len(shape) - 1))))
     return NamedSharding(mesh, P())
+
+
+def shard_pure(tree, mesh: jax.sharding.Mesh):
+    """Place every array of a pure (nested dict) parameter tree by :func:`param_sharding` of its key path."""
+    def place(path, x):
+        keys = tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
+        return jax.device_put(x, param_sharding(keys, tuple(x.shape), mesh))
+
+    return jax.tree_util.tree_map_with_path(place, tree)

@@ -59,6 +59,8 @@ class TrainConfig:
     seed: int = 0
     resume: bool = True
     progress: bool | None = None              # None: on a terminal
+    mesh: str = ""                            # e.g. "data=2,expert=4" (empty: one device)
+    ep_method: str = "moonep"                 # routed experts over the expert axis: moonep | dropless | capacity
 
     @classmethod
     def load(cls, path: str | Path | None = None, overrides: list[str] | None = None) -> "TrainConfig":
@@ -113,6 +115,9 @@ class TrainConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
                 raise ConfigError(f"training config: {name}: expected a positive integer, got {v!r}")
+        if self.ep_method not in ("moonep", "dropless", "capacity"):
+            raise ConfigError(f"training config: ep_method: expected 'moonep', 'dropless' or 'capacity', got "
+                              f"{self.ep_method!r}")
         if self.balance not in ("quantile", "sign", "none"):
             raise ConfigError(f"training config: balance: expected 'quantile', 'sign' or 'none', got {self.balance!r}")
 
@@ -248,6 +253,15 @@ def train(c: TrainConfig, *, console=None, stop_after: int | None = None, on_ste
     graphdef, params_st, rest_st = nnx.split(model, nnx.Param, ...)
     params, rest = nnx.to_pure_dict(params_st), nnx.to_pure_dict(rest_st)
     optimizer = make_optimizer(params, c.steps, c.optim)
+    mesh = None
+    if c.mesh:
+        from k3jax.parallel.mesh import make_mesh
+        from k3jax.parallel.rules import shard_pure
+
+        mesh = make_mesh(c.mesh)
+        if c.batch_size % mesh.shape["data"]:
+            raise ConfigError(f"training config: batch_size={c.batch_size} does not split over data={mesh.shape['data']}")
+        params, rest = shard_pure(params, mesh), shard_pure(rest, mesh)
     opt_state = optimizer.init(params)
     step_fn, eval_fn = make_step(graphdef, params_st, rest_st, optimizer, c, cfg)
 
@@ -285,9 +299,14 @@ def train(c: TrainConfig, *, console=None, stop_after: int | None = None, on_ste
     tps = mfu = 0.0
     last_t = time.perf_counter()
     end = c.steps if stop_after is None else min(c.steps, stop_after)
-    with bar:
+    import contextlib
+
+    from k3jax.parallel.mesh import ExpertParallel, expert_parallel
+
+    ep = expert_parallel(ExpertParallel(mesh, c.ep_method)) if mesh is not None else contextlib.nullcontext()
+    with bar, ep:
         for step in range(start, end):
-            batch = {k_: jnp.asarray(v) for k_, v in data.train_batch(step, c.batch_size).items()}
+            batch = place_batch(data.train_batch(step, c.batch_size), mesh)
             params, rest, opt_state, m = step_fn(params, rest, opt_state, batch)
             loss_f = float(m["loss"])
             now = time.perf_counter()
@@ -309,7 +328,7 @@ def train(c: TrainConfig, *, console=None, stop_after: int | None = None, on_ste
             bar.update(task, advance=1, info=f"loss {loss_f:.3f}  {tps:,.0f} tok/s  MFU {mfu:.1%}  "
                                              f"maxvio {rec['maxvio']:.2f}")
             if (step + 1) % c.eval_every == 0 or step + 1 == c.steps:
-                val_loss = evaluate(eval_fn, params, rest, data, c)
+                val_loss = evaluate(eval_fn, params, rest, data, c, mesh)
                 log.write({"kind": "val", "step": step + 1, "val_loss": val_loss})
                 bar.console.print(f"step {step + 1}: train loss {loss_f:.4f}, val loss {val_loss:.4f} nats/token")
             ckpt.save(step + 1, (params, rest, opt_state), {"step": step + 1, "data_step": step + 1,
@@ -326,8 +345,18 @@ def train(c: TrainConfig, *, console=None, stop_after: int | None = None, on_ste
     return TrainResult(out, end, loss_f, val_loss, data.unigram_entropy, trained, data, plots, tps, mfu)
 
 
-def evaluate(eval_fn, params, rest, data: Dataset, c: TrainConfig) -> float:
-    losses = [float(eval_fn(params, rest, {k: jnp.asarray(v) for k, v in b.items()}))
+def place_batch(batch: dict, mesh) -> dict:
+    """Host batch → device arrays; on a mesh the batch axis is split over ``data``."""
+    if mesh is None:
+        return {k: jnp.asarray(v) for k, v in batch.items()}
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    return {k: jax.device_put(v, NamedSharding(mesh, P("data"))) for k, v in batch.items()}
+
+
+def evaluate(eval_fn, params, rest, data: Dataset, c: TrainConfig, mesh=None) -> float:
+    losses = [float(eval_fn(params, rest, place_batch(b, mesh)))
               for b in data.val_batches(c.batch_size, c.eval_batches)]
     return float(np.mean(losses))
 

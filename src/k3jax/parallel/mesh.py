@@ -1,0 +1,73 @@
+"""The device mesh: named axes (data, fsdp, expert, tensor), built from ``"data=2,expert=4"``, and the
+expert-parallel context the MoE layers read while tracing."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from dataclasses import dataclass
+
+import jax
+from jax.sharding import AxisType, Mesh
+
+AXES = ("data", "fsdp", "expert", "tensor")
+
+
+class MeshError(ValueError):
+    """A mesh specification that cannot be built; the message names the axis."""
+
+
+def parse_mesh(spec: str | dict | None) -> dict[str, int]:
+    """``"data=2,expert=4"`` → ``{"data": 2, "fsdp": 1, "expert": 4, "tensor": 1}``."""
+    sizes = dict.fromkeys(AXES, 1)
+    if not spec:
+        return sizes
+    items = spec.items() if isinstance(spec, dict) else (p.split("=", 1) for p in str(spec).split(",") if p.strip())
+    for item in items:
+        if len(item) != 2:
+            raise MeshError(f"mesh: expected 'axis=size' pairs like 'data=2,expert=4', got {spec!r}")
+        name, val = item[0].strip(), str(item[1]).strip()
+        if name not in AXES:
+            raise MeshError(f"mesh: unknown axis {name!r}; axes are {', '.join(AXES)}")
+        if not val.isdigit() or int(val) < 1:
+            raise MeshError(f"mesh: axis {name}: expected a positive integer size, got {val!r}")
+        sizes[name] = int(val)
+    return sizes
+
+
+def make_mesh(spec: str | dict | None, devices=None) -> Mesh:
+    """A mesh over all (or the given) devices with the four named axes; their product must equal the device count."""
+    sizes = parse_mesh(spec)
+    devices = list(devices if devices is not None else jax.devices())
+    n = math.prod(sizes.values())
+    if n != len(devices):
+        raise MeshError(f"mesh {spec!r}: {n} devices requested ({'×'.join(str(sizes[a]) for a in AXES)} for "
+                        f"{', '.join(AXES)}), {len(devices)} available")
+    return jax.make_mesh(tuple(sizes[a] for a in AXES), AXES, axis_types=(AxisType.Auto,) * len(AXES),
+                         devices=devices)
+
+
+@dataclass(frozen=True)
+class ExpertParallel:
+    mesh: Mesh
+    method: str = "moonep"              # "moonep" | "dropless" | "capacity"
+    capacity_factor: float = 1.25
+    exchange: str = "auto"
+
+
+_EP: contextvars.ContextVar[ExpertParallel | None] = contextvars.ContextVar("k3jax_expert_parallel", default=None)
+
+
+@contextlib.contextmanager
+def expert_parallel(ep: ExpertParallel | None):
+    """While active (at trace time), MoE layers run their routed experts over ``ep.mesh``'s expert axis."""
+    token = _EP.set(ep)
+    try:
+        yield ep
+    finally:
+        _EP.reset(token)
+
+
+def current_expert_parallel() -> ExpertParallel | None:
+    return _EP.get()

@@ -1,0 +1,33 @@
+"""Under 8 simulated CPU devices: ``train`` on mesh data=2,expert=4 (MoonEP) vs one device; prints the losses."""
+
+import json
+import os
+import sys
+import tempfile
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+import jax  # noqa: E402
+
+from k3jax.train.loop import TrainConfig, train  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def losses(mesh: str, method: str, steps: int) -> list[float]:
+    from rich.console import Console
+
+    out = []
+    with tempfile.TemporaryDirectory() as d:
+        c = TrainConfig.load(None, [f"out={d}", "model=test", f"steps={steps}", "batch_size=8", "seq_len=32",
+                                    "eval_every=1000", f"save_every={steps}", "resume=false", "progress=false",
+                                    f"mesh={mesh}", f"ep_method={method}", "corpus_bytes=200000"])
+        train(c, console=Console(file=open(os.devnull, "w")), on_step=lambda s, r: out.append(r["loss"]))
+    return out
+
+
+if __name__ == "__main__":
+    steps = int(sys.argv[1]) if len(sys.argv) > 1 else 20
+    res = {"single": losses("", "moonep", steps), "moonep": losses("data=2,expert=4", "moonep", steps)}
+    if len(sys.argv) > 2:
+        res["dropless"] = losses("data=2,expert=4", "dropless", steps)
+    print(json.dumps(res))
