@@ -73,3 +73,30 @@ def test_training_on_a_data2_expert4_mesh_follows_one_device():
     for a, b in zip(d["single"], d["moonep"]):
         assert abs(a - b) <= 1e-4 * abs(a), (a, b)
     assert d["single"][-1] < d["single"][0]                 # and it is learning
+
+
+@pytest.mark.slow
+def test_two_processes_equal_one_process(tmp_path):
+    """jax.distributed on localhost, 2 processes × 4 CPU devices, same 8-step run as one process × 8 devices."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = CHECK.with_name("ep_distributed_check.py")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    procs = [subprocess.Popen([sys.executable, str(script), str(i), str(port), "8", str(tmp_path / "run")],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for i in (0, 1)]
+    outs = [p.communicate(timeout=1200) for p in procs]
+    for p, (o, e) in zip(procs, outs):
+        assert p.returncode == 0, e[-3000:]
+    two = json.loads(outs[0][0].strip().splitlines()[-1])["losses"]
+    env1 = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    res = subprocess.run([sys.executable, str(CHECK.with_name("ep_train_check.py")), "8"], capture_output=True,
+                         text=True, timeout=1500, env=env1)
+    assert res.returncode == 0, res.stderr[-3000:]
+    one = json.loads(res.stdout.strip().splitlines()[-1])["moonep"]
+    assert len(two) == len(one) == 8
+    for a, b in zip(one, two):
+        assert abs(a - b) <= 1e-6 * abs(a), (one, two)

@@ -145,6 +145,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         for p in plot_run(recs, out):
             console.print(f"wrote {p}")
         return 0
+    if args.coordinator or args.num_processes:
+        from k3jax.parallel.mesh import init_distributed
+
+        init_distributed(args.coordinator, args.num_processes, args.process_id)
     sets = list(args.set or [])
     if args.preset:
         sets.append(f"model={args.preset}")
@@ -268,6 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--out", help="run directory (checkpoints, metrics.jsonl, plots)")
     t.add_argument("--mesh", help="device mesh, e.g. data=2,expert=4 (routed experts over the expert axis with "
                    "MoonEP; --set ep_method=dropless|capacity for the baselines)")
+    t.add_argument("--coordinator", help="multi-process: HOST:PORT of process 0 (jax.distributed.initialize)")
+    t.add_argument("--num-processes", type=int, default=None)
+    t.add_argument("--process-id", type=int, default=None)
     t.add_argument("--plot", metavar="RUN_DIR", help="only (re)draw the plots of an existing run")
     t.set_defaults(fn=cmd_train)
     g = sub.add_parser("generate", help="generate text from a preset, a training run or a release checkpoint")

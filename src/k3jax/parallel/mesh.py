@@ -71,3 +71,11 @@ def expert_parallel(ep: ExpertParallel | None):
 
 def current_expert_parallel() -> ExpertParallel | None:
     return _EP.get()
+
+
+def init_distributed(coordinator: str | None = None, num_processes: int | None = None,
+                     process_id: int | None = None) -> None:
+    """Join a multi-process run through ``jax.distributed.initialize`` (no launcher of our own). On CPU the
+    cross-process collectives use gloo. With no arguments JAX reads the cluster environment (SLURM, TPU pods …)."""
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")   # CPU devices only; GPUs/TPUs use their own
+    jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)

@@ -244,10 +244,14 @@ def train(c: TrainConfig, *, console=None, stop_after: int | None = None, on_ste
         raise ConfigError(f"model vocab_size={cfg.vocab_size} is smaller than the tokenizer's vocabulary "
                           f"({tokenizer.vocab_size}, {tokenizer.name}); set model.vocab_size")
     data = load_data(c, tokenizer)
-    (out / "train_config.json").write_text(json.dumps(c.to_dict(), indent=2, default=str))
-    (out / "config.json").write_text(json.dumps(cfg.to_release_dict(), indent=2))
-    (out / "data.json").write_text(json.dumps({**data.info, "unigram_entropy_nats": data.unigram_entropy,
-                                               "train_rows": data.train.rows, "val_rows": data.val.rows}, indent=2))
+    primary = jax.process_index() == 0                 # multi-process: one writer of files and console output
+    if not primary:
+        console = Console(file=open(os.devnull, "w"))
+    write = (lambda path, text: path.write_text(text)) if primary else (lambda path, text: None)
+    write(out / "train_config.json", json.dumps(c.to_dict(), indent=2, default=str))
+    write(out / "config.json", json.dumps(cfg.to_release_dict(), indent=2))
+    write(out / "data.json", json.dumps({**data.info, "unigram_entropy_nats": data.unigram_entropy,
+                                   "train_rows": data.train.rows, "val_rows": data.val.rows}, indent=2))
 
     model = K3ForCausalLM(cfg, rngs=nnx.Rngs(c.seed))
     graphdef, params_st, rest_st = nnx.split(model, nnx.Param, ...)
@@ -266,7 +270,7 @@ def train(c: TrainConfig, *, console=None, stop_after: int | None = None, on_ste
     step_fn, eval_fn = make_step(graphdef, params_st, rest_st, optimizer, c, cfg)
 
     ckpt = Checkpointer(out / "checkpoints", keep=c.keep, save_every=c.save_every, async_save=c.async_save)
-    log = MetricsLog(out / "metrics.jsonl")
+    log = MetricsLog(out / ("metrics.jsonl" if primary else f"metrics.process{jax.process_index()}.jsonl"))
     start = 0
     if c.resume and ckpt.latest_step() is not None:
         start = ckpt.latest_step()
@@ -341,7 +345,7 @@ def train(c: TrainConfig, *, console=None, stop_after: int | None = None, on_ste
     rest_st2 = jax.tree.map(lambda x: x, rest_st)
     nnx.replace_by_pure_dict(rest_st2, rest)
     trained = nnx.merge(graphdef, params_st2, rest_st2)
-    plots = plot_run(log.read(), out, data.unigram_entropy)
+    plots = plot_run(log.read(), out, data.unigram_entropy) if primary else []
     return TrainResult(out, end, loss_f, val_loss, data.unigram_entropy, trained, data, plots, tps, mfu)
 
 
