@@ -29,5 +29,5 @@ if __name__ == "__main__":
     steps = int(sys.argv[1]) if len(sys.argv) > 1 else 20
     res = {"single": losses("", "moonep", steps), "moonep": losses("data=2,expert=4", "moonep", steps)}
     if len(sys.argv) > 2:
-        res["dropless"] = losses("data=2,expert=4", "dropless", steps)
+        res["fsdp_tensor"] = losses("fsdp=2,expert=2,tensor=2", "moonep", steps)
     print(json.dumps(res))

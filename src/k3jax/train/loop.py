@@ -263,8 +263,9 @@ def train(c: TrainConfig, *, console=None, stop_after: int | None = None, on_ste
         from k3jax.parallel.rules import shard_pure
 
         mesh = make_mesh(c.mesh)
-        if c.batch_size % mesh.shape["data"]:
-            raise ConfigError(f"training config: batch_size={c.batch_size} does not split over data={mesh.shape['data']}")
+        if c.batch_size % (mesh.shape["data"] * mesh.shape["fsdp"]):
+            raise ConfigError(f"training config: batch_size={c.batch_size} does not split over data×fsdp="
+                              f"{mesh.shape['data'] * mesh.shape['fsdp']} (mesh {c.mesh})")
         params, rest = shard_pure(params, mesh), shard_pure(rest, mesh)
     opt_state = optimizer.init(params)
     step_fn, eval_fn = make_step(graphdef, params_st, rest_st, optimizer, c, cfg)
@@ -353,10 +354,9 @@ def place_batch(batch: dict, mesh) -> dict:
     """Host batch → device arrays; on a mesh the batch axis is split over ``data``."""
     if mesh is None:
         return {k: jnp.asarray(v) for k, v in batch.items()}
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
+    from k3jax.parallel.rules import batch_sharding
 
-    return {k: jax.device_put(v, NamedSharding(mesh, P("data"))) for k, v in batch.items()}
+    return {k: jax.device_put(v, batch_sharding(mesh, v.shape[0])) for k, v in batch.items()}
 
 
 def evaluate(eval_fn, params, rest, data: Dataset, c: TrainConfig, mesh=None) -> float:
