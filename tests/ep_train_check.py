@@ -29,5 +29,5 @@ if __name__ == "__main__":
     steps = int(sys.argv[1]) if len(sys.argv) > 1 else 20
     res = {"single": losses("", "moonep", steps), "moonep": losses("data=2,expert=4", "moonep", steps)}
     if len(sys.argv) > 2:
-        res["fsdp_tensor"] = losses("fsdp=2,expert=2,tensor=2", "moonep", steps)
+        res["fsdp_tensor"] = losses("fsdp=2,expert=2,tensor=2", "moonep", min(steps, 6))
     print(json.dumps(res))

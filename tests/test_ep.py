@@ -63,16 +63,21 @@ print(g(x, send, in_off, out_off, recv).ravel().tolist())
 
 @pytest.mark.slow
 def test_training_on_a_data2_expert4_mesh_follows_one_device():
-    """20 steps of ``train`` (test preset, MoonEP) on meshes data=2,expert=4 and fsdp=2,expert=2,tensor=2 (weights
-    sharded by the logical-axis rules) vs the same run on one device."""
+    """20 steps of ``train`` (test preset, MoonEP) on mesh data=2,expert=4, and 6 on fsdp=2,expert=2,tensor=2 (weights
+    sharded by the logical-axis rules), vs the same run on one device."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
     res = subprocess.run([sys.executable, str(CHECK.with_name("ep_train_check.py")), "20", "all"], capture_output=True,
                          text=True, timeout=1500, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     d = json.loads(res.stdout.strip().splitlines()[-1])
-    assert len(d["single"]) == len(d["moonep"]) == len(d["fsdp_tensor"]) == 20
-    for a, b, c in zip(d["single"], d["moonep"], d["fsdp_tensor"]):
-        assert abs(a - b) <= 1e-4 * abs(a) and abs(a - c) <= 1e-4 * abs(a), (a, b, c)
+    assert len(d["single"]) == len(d["moonep"]) == 20 and len(d["fsdp_tensor"]) == 6
+    for a, b in zip(d["single"], d["moonep"]):
+        assert abs(a - b) <= 1e-4 * abs(a), (a, b)
+    # fsdp/tensor split the non-expert matmuls' contractions over devices, which changes the order of fp32 sums;
+    # training amplifies such rounding differences over steps (measured: 1e-7 for 6 steps, ~1e-3 by step 20),
+    # so the check covers the first 6 steps, where a wrong sharding rule would already show at O(1)
+    for a, c in zip(d["single"], d["fsdp_tensor"]):
+        assert abs(a - c) <= 1e-5 * abs(a), (a, c)
     assert d["single"][-1] < d["single"][0]                 # and it is learning
 
 
