@@ -21,3 +21,20 @@ def test_demo_trains_and_beats_unigram(capsys, tmp_path):
     assert val < uni
     assert (tmp_path / "demo" / "loss.png").exists() and (tmp_path / "demo" / "expert_load.png").exists()
     assert "greedy sample" in out
+    # the demo's checkpoint serves `k3jax generate` (training-run directory → latest step, its tokenizer)
+    assert main(["generate", "--model", str(tmp_path / "demo"), "--prompt", "def ", "--max-new-tokens", "12",
+                 "--no-stream"]) == 0
+    out = capsys.readouterr().out
+    assert f"training run {tmp_path / 'demo'}" in out and "tokens/s" in out and "\ndef " in out
+
+
+def test_generate_from_a_release_checkpoint(capsys, tmp_path):
+    from make_k3_fixture import write_random_k3_checkpoint
+
+    write_random_k3_checkpoint(tmp_path / "rel", K3Config.from_preset("test").to_dict(), seed=1)
+    assert main(["generate", "--model", str(tmp_path / "rel"), "--prompt", "hello", "--max-new-tokens", "4",
+                 "--temperature", "0.8", "--top-p", "0.9"]) == 0
+    out = capsys.readouterr().out
+    assert f"release checkpoint {tmp_path / 'rel'}" in out and "cache per sequence" in out
+    assert main(["generate", "--model", str(tmp_path / "nope")]) == 2
+    assert "neither a preset" in capsys.readouterr().out
