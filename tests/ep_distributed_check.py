@@ -1,12 +1,13 @@
-"""One of two processes × 4 CPU devices (jax.distributed on localhost): train the test preset on mesh
-data=2,expert=4 and print the losses (process 0)."""
+"""One of two processes × 4 CPU devices (jax.distributed on localhost): the first ``stop`` steps of the 20-step
+``ep_train_check`` run of the test preset on mesh data=2,expert=4; process 0 prints the losses."""
 
 import json
 import os
 import sys
 
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-pid, port, steps, out = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
+pid, port, stop, out = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
+steps = 20
 import jax  # noqa: E402
 
 jax.config.update("jax_platforms", "cpu")
@@ -23,6 +24,6 @@ losses = []
 c = TrainConfig.load(None, [f"out={out}", "model=test", f"steps={steps}", "batch_size=8", "seq_len=32",
                             "eval_every=1000", f"save_every={steps}", "resume=false", "progress=false",
                             "mesh=data=2,expert=4", "ep_method=moonep", "corpus_bytes=200000"])
-train(c, console=Console(file=open(os.devnull, "w")), on_step=lambda s, r: losses.append(r["loss"]))
+train(c, console=Console(file=open(os.devnull, "w")), stop_after=stop, on_step=lambda s, r: losses.append(r["loss"]))
 if pid == 0:
     print(json.dumps({"losses": losses}))

@@ -13,7 +13,7 @@ from k3jax.train.loop import TrainConfig, train  # noqa: E402
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
-def losses(mesh: str, method: str, steps: int) -> list[float]:
+def losses(mesh: str, method: str, steps: int, stop: int | None = None) -> list[float]:
     from rich.console import Console
 
     out = []
@@ -21,7 +21,8 @@ def losses(mesh: str, method: str, steps: int) -> list[float]:
         c = TrainConfig.load(None, [f"out={d}", "model=test", f"steps={steps}", "batch_size=8", "seq_len=32",
                                     "eval_every=1000", f"save_every={steps}", "resume=false", "progress=false",
                                     f"mesh={mesh}", f"ep_method={method}", "corpus_bytes=200000"])
-        train(c, console=Console(file=open(os.devnull, "w")), on_step=lambda s, r: out.append(r["loss"]))
+        train(c, console=Console(file=open(os.devnull, "w")), stop_after=stop,
+              on_step=lambda s, r: out.append(r["loss"]))
     return out
 
 
@@ -29,5 +30,5 @@ if __name__ == "__main__":
     steps = int(sys.argv[1]) if len(sys.argv) > 1 else 20
     res = {"single": losses("", "moonep", steps), "moonep": losses("data=2,expert=4", "moonep", steps)}
     if len(sys.argv) > 2:
-        res["fsdp_tensor"] = losses("fsdp=2,expert=2,tensor=2", "moonep", min(steps, 6))
+        res["fsdp_tensor"] = losses("fsdp=2,expert=2,tensor=2", "moonep", steps, stop=6)  # same schedule, 6 steps
     print(json.dumps(res))
