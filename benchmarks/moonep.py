@@ -54,35 +54,7 @@ def routing(kind: str, N: int, E: int, K: int, R: int, rng) -> np.ndarray:
 
 def chain_plan_fetches(counts: np.ndarray) -> int:
     """Fetches of a chain that fills the most underloaded rank from the most overloaded one (reference rule)."""
-    R, E = counts.shape
-    m, SK = E // R, counts.sum(1)[0]
-    load = np.bincount(np.arange(E) // m, weights=counts.sum(0), minlength=R).astype(np.int64)
-    rem = counts.sum(0).astype(np.int64).copy()
-    filled = np.zeros(R, bool)
-    fetches = 0
-    for _ in range(R - 1):
-        deficit = SK - load
-        cand = (deficit > 0) & ~filled
-        if not cand.any():
-            break
-        u = int(np.argmax(np.where(cand, deficit, -1)))
-        D = int(deficit[u])
-        o = int(np.argmax(load - SK))
-        home = np.arange(o * m, (o + 1) * m)
-        order = home[np.argsort(-rem[home], kind="stable")]
-        need = D
-        for e in order:
-            if need <= 0:
-                break
-            t = min(need, rem[e])
-            if t > 0:
-                rem[e] -= t
-                need -= t
-                fetches += 1
-        load[o] -= D
-        load[u] += D
-        filled[u] = True
-    return fetches
+    return int((np.asarray(slots_from_alloc(plan_numpy(counts, donor="most_overloaded").alloc)[2]) >= 0).sum())
 
 
 def main(argv: list[str] | None = None) -> dict:
