@@ -2,7 +2,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: test demo install clean
+.PHONY: test demo bench install clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,6 +17,9 @@ test: $(VENV)/.installed
 
 demo: $(VENV)/.installed
 	$(VENV)/bin/k3jax demo
+
+bench: $(VENV)/.installed
+	$(PY) -m benchmarks.run --save; status=$$?; $(PY) -m benchmarks.report && exit $$status
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache

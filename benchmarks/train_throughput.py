@@ -29,8 +29,9 @@ from k3jax.train.optim import make_optimizer
 SHAPES = {"tiny": (8, 128), "100m": (4, 256)}
 
 
-def bench(preset: str, steps: int, peak: float) -> dict:
-    B, T = SHAPES.get(preset, (4, 256))
+def bench(preset: str, steps: int, peak: float, shape: tuple[int, int] | None = None) -> dict:
+    """One preset's training-step figures; ``shape`` = (batch, seq_len), default ``SHAPES[preset]``."""
+    B, T = shape or SHAPES.get(preset, (4, 256))
     c = TrainConfig(model=preset, batch_size=B, seq_len=T, steps=100)
     cfg = model_config(c)
     docs, info = stdlib_corpus(400_000)

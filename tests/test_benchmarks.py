@@ -1,0 +1,186 @@
+"""The benchmark runner, the README report and benchmarks.model's bookkeeping — cheap: nothing is timed for real."""
+
+import json
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import report, run  # noqa: E402
+
+MACHINE = {"machine": "x86_64", "processor": "x86_64", "python": "3.11.7", "jax": "0.10.2", "backend": "cpu",
+           "device": "cpu", "devices": 1, "gemm_flops_fp32": 2.0e11, "memory_bytes_per_s": 8.0e9}
+
+
+def test_list_names_every_benchmark_without_running_any():
+    out = subprocess.run([sys.executable, "-m", "benchmarks.run", "--list"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60, check=True).stdout
+    lines = {ln.split()[0]: ln for ln in out.splitlines() if ln.strip()}
+    for name in ["roofline", "kda", "model", "train", "moonep", "balance", "inference_decode", "inference",
+                 "load_rss"]:
+        assert name in lines, out
+    assert [n for n, ln in lines.items() if ln.split()[1] == "*"] == ["roofline", "kda", "model"]
+    assert run.DEFAULT == ["roofline", "kda", "model"]
+
+
+def test_resolve_groups_and_unknown_names():
+    assert run.resolve([]) == run.DEFAULT
+    assert run.resolve(["inference", "kda", "inference_cache"]) == [
+        "inference_decode", "inference_cache", "inference_vs_transformers", "inference_prefill", "kda"]
+    with pytest.raises(SystemExit, match="unknown benchmark 'nope'"):
+        run.resolve(["nope"])
+
+
+def test_quick_save_refuses_to_overwrite_the_stored_results():
+    with pytest.raises(SystemExit):
+        run.main(["--quick", "--save", "kda"])
+
+
+@pytest.fixture
+def fake_bench(monkeypatch):
+    """A benchmark ``fake`` whose main records its argv, and a roofline that is not measured."""
+    mod = types.ModuleType("benchmarks._fake")
+    mod.calls = []
+
+    def main(argv):
+        mod.calls.append(list(argv))
+        if "--boom" in argv:
+            raise RuntimeError("boom")
+        return {"benchmark": "fake", "value": 3.0}
+
+    mod.main = main
+    monkeypatch.setitem(sys.modules, "benchmarks._fake", mod)
+    monkeypatch.setitem(run.BENCHMARKS, "fake", run.Bench("_fake", "a fake", "fake", ("--full",), ("--small",)))
+    import benchmarks.roofline as roofline
+
+    monkeypatch.setattr(roofline, "_MEASURED", dict(MACHINE))
+    return mod
+
+
+def test_runner_records_command_roofline_and_saves(fake_bench, tmp_path):
+    combined = run.main(["fake", "--quick", "--json", str(tmp_path / "all.json"), "--save", "--save-dir",
+                         str(tmp_path)])
+    assert fake_bench.calls == [["--small"]]
+    on_disk = json.loads((tmp_path / "all.json").read_text())
+    assert on_disk["machine"] == MACHINE and list(on_disk["results"]) == ["fake"] and on_disk["failed"] == []
+    rec = json.loads((tmp_path / "results_fake.json").read_text())
+    assert rec["value"] == 3.0 and rec["roofline"] == MACHINE and rec["quick"] is True
+    assert rec["command"] == (f"python -m benchmarks.run fake --quick --json {tmp_path / 'all.json'} --save "
+                              f"--save-dir {tmp_path}")
+    assert rec["module_command"] == "python -m benchmarks._fake --small"
+    assert rec["wall_seconds"] >= 0 and rec == combined["results"]["fake"]
+
+
+def test_runner_args_override_gpu_suffix_and_failures(fake_bench, tmp_path, monkeypatch):
+    import benchmarks.roofline as roofline
+
+    monkeypatch.setattr(roofline, "_MEASURED", {**MACHINE, "backend": "gpu", "device": "NVIDIA H200"})
+    run.main(["fake", "--args", "fake=--T 7", "--save", "--save-dir", str(tmp_path)])
+    assert fake_bench.calls[-1] == ["--T", "7"]
+    assert (tmp_path / "results_fake_gpu.json").exists() and not (tmp_path / "results_fake.json").exists()
+    res = run.main(["fake", "--args", "fake=--boom", "--save", "--save-dir", str(tmp_path / "b")])
+    assert res["failed"] == ["fake"] and "boom" in res["results"]["fake"]["error"]
+    assert not (tmp_path / "b").exists()                    # a failed benchmark is not stored
+
+
+# ------------------------------------------------------------------------------------------------------ report
+def kda_record(backend="cpu", device="cpu", command=True):
+    rec = {"benchmark": "kda", **MACHINE, "backend": backend, "device": device,
+           "shape": {"B": 1, "H": 4, "K": 128, "V": 128, "chunk": 64}, "dtype": "float32",
+           "rows": [{"T": 1024, "chunked_forward_s": 0.066, "forward_vs_roofline": 24.4, "chunked_fwd_bwd_s": 0.356,
+                     "fwd_bwd_vs_roofline": 44.0, "recurrent_forward_s": 0.049, "recurrent_fwd_bwd_s": 0.2,
+                     "chunked_speedup_vs_recurrent_forward": 0.74, "temp_bytes_forward": 46 * 2**20,
+                     "temp_bytes_grad": 349 * 2**20}]}
+    if command:
+        rec.update(command=f"python -m benchmarks.run --save kda # on {backend}",
+                   module_command="python -m benchmarks.kda")
+    return rec
+
+
+def write_results(d: Path) -> None:
+    (d / "results_kda.json").write_text(json.dumps(kda_record()))
+    (d / "results_kda_gpu.json").write_text(json.dumps(kda_record("gpu", "NVIDIA H200")))
+    (d / "results_model.json").write_text(json.dumps({
+        "benchmark": "model", **MACHINE, "command": "python -m benchmarks.run --save model",
+        "rows": [{"preset": "tiny", "mode": "forward", "params": 2833100, "batch": 8, "seq_len": 128,
+                  "seconds_median": 0.154, "first_call_seconds": 5.7, "tokens_per_s": 6666.0,
+                  "flops_per_token": 3763832, "mfu": 0.1048}]}))
+    (d / "results_train_throughput.json").write_text(json.dumps({   # an older record: no "command"
+        "benchmark": "train_throughput", "machine": "x86_64", "backend": "cpu", "gemm_peak_flops": 2.4e11,
+        "runs": [{"preset": "tiny", "params": 1, "batch": 8, "seq_len": 128, "step_seconds_median": 1.1,
+                  "tokens_per_s": 915.8, "train_flops_per_token": 11291496, "mfu": 0.0418}]}))
+    (d / "results_broken.json").write_text("{not json")
+
+
+def test_report_renders_tables_commands_gpu_and_missing(tmp_path):
+    write_results(tmp_path)
+    text = report.render(tmp_path)
+    assert text.startswith(report.BEGIN) and text.rstrip().endswith(report.END)
+    assert "do not" in text and "edit it by hand" in text and "2048×2048" in text and "256 MiB" in text
+    # one table per file; the GPU record separately, with its device and command
+    assert text.count("| T | chunked fwd ms | fwd × roofline |") == 2
+    assert "### kda\n" in text and "### kda — GPU (NVIDIA H200)" in text
+    assert "`python -m benchmarks.run --save kda # on gpu` (= `python -m benchmarks.kda`)" in text
+    assert "| 1024 | 66.0 | 24.40× | 356.0 | 44.00× | 49.0 | 200.0 | 0.74× | 0.56× | — | — | 46.0 | 349.0 |" \
+        in text
+    assert text.index("### kda\n") < text.index("### kda — GPU") < text.index("### model")
+    assert "| tiny | forward | 2,833,100 | 8×128 | 154.0 | 5.7 | 6,666 | 3.76e+06 | 10.48% |" in text
+    # an older record gets the module's documented command; a broken one does not stop the report
+    assert "documented command" in text and "python -m benchmarks.train_throughput [--presets tiny 100m]" in text
+    assert "`results_broken.json`" in text and "unreadable" in text
+    # benchmarks without a file are named, with the command that would record them
+    missing = text.split("## Not recorded", 1)[1]
+    assert "`roofline` (`python -m benchmarks.run --save roofline`)" in missing and "`kda`" not in missing
+
+
+def test_report_rewrites_only_the_generated_part(tmp_path):
+    write_results(tmp_path)
+    readme = tmp_path / "README.md"
+    readme.write_text(f"hand-written top\n{report.BEGIN}\nold\n{report.END}\nhand-written bottom\n")
+    report.main(["--dir", str(tmp_path)])
+    text = readme.read_text()
+    assert text.startswith("hand-written top\n") and text.endswith("hand-written bottom\n")
+    assert "old\n" not in text and "### kda — GPU (NVIDIA H200)" in text
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    text = report.render(empty)                                # no results at all
+    assert "## Latest figures" in text and "`model` (`python -m benchmarks.run --save model`)" in text
+
+
+def test_documented_commands_exist_for_every_module():
+    for name, b in run.BENCHMARKS.items():
+        sub = b.args[0] if b.module == "inference" else None
+        cmd = report.documented_command(b.module, sub)
+        assert cmd and f"-m benchmarks.{b.module}" in cmd, name
+
+
+# ------------------------------------------------------------------------------------------------------- model
+def test_model_mfu_bookkeeping_reuses_the_training_step(monkeypatch, tmp_path):
+    """benchmarks.model wires train_throughput.bench and costs.flops_per_token into tokens/s and MFU (the real
+    timing compiles a model for tens of seconds, so the step itself is replaced here)."""
+    import benchmarks.model as model
+    seen = {}
+
+    def fake_train(preset, steps, peak, shape):
+        seen.update(preset=preset, steps=steps, peak=peak, shape=shape)
+        return {"first_step_seconds": 9.0, "step_seconds_median": 0.5, "train_flops_per_token": 1000, "params": 7}
+
+    monkeypatch.setattr(model, "train_bench", fake_train)
+    monkeypatch.setattr(model, "machine", lambda: dict(MACHINE))
+    res = model.main(["--presets", "test", "--modes", "train", "--batch", "2", "--seq", "16", "--steps", "3",
+                      "--json", str(tmp_path / "m.json")])
+    assert seen == {"preset": "test", "steps": 3, "peak": 2.0e11, "shape": (2, 16)}
+    (r,) = res["rows"]
+    assert r["tokens_per_s"] == pytest.approx(32 / 0.5) and r["mfu"] == pytest.approx(64 * 1000 / 2.0e11)
+    assert (r["mode"], r["batch"], r["seq_len"], r["first_call_seconds"]) == ("train", 2, 16, 9.0)
+    assert json.loads((tmp_path / "m.json").read_text())["rows"] == res["rows"]
+    from k3jax import K3Config
+    from k3jax.costs import flops_per_token
+
+    f = flops_per_token(K3Config.from_preset("test"), train_seq=16)
+    assert f["training"] == 3 * f["forward"] > 0              # the forward/prefill rows use f["forward"]
