@@ -147,3 +147,77 @@ def test_document_resets(rng, gate):
     y, _ = causal_conv1d(x, w, reset=reset)
     y_alone, _ = causal_conv1d(x[:1, 64:], w)
     np.testing.assert_allclose(y[:1, 64:], y_alone, rtol=1e-6, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------ fast-path variants (issue 7)
+@pytest.mark.parametrize("kw", [dict(chunk_size=16), dict(chunk_size=32), dict(chunk_size=128),
+                                dict(solve="neumann"), dict(solve="rowscan"), dict(cumsum="native"),
+                                dict(cumsum="matmul"), dict(scan="affine"), dict(scan="associative")])
+def test_chunked_variants_match_recurrent(rng, kw):
+    """Every chunk size / solve / cumsum / cross-chunk scan variant is the same recurrence (lower-bound gate,
+    initial state, a document reset, T not a multiple of the chunk)."""
+    q, k, v, g, beta, s0 = make_inputs(rng, 150, "lower_bound", init=True)
+    reset = jnp.zeros((2, 150), bool).at[0, 40].set(True).at[1, 129].set(True)
+    o_ref, s_ref = kda_recurrent(q, k, v, g, beta, initial_state=s0, output_final_state=True, reset=reset)
+    o, s = kda_chunked(q, k, v, g, beta, initial_state=s0, output_final_state=True, reset=reset, safe_gate=True,
+                       **kw)
+    assert rel(o, o_ref) <= 1e-5 and rel(s, s_ref) <= 1e-5
+
+
+@pytest.mark.parametrize("recompute", [True, False])
+@pytest.mark.parametrize("gate", ["lower_bound", "softplus"])
+def test_gradients_with_resets_match_recurrent(rng, gate, recompute):
+    """The recomputing custom VJP (and plain autodiff of the same forward) equal ``jax.grad`` of the token scan,
+    with packed-document resets and cotangents on both the outputs and the final state."""
+    q, k, v, g, beta, s0 = make_inputs(rng, 90, gate, init=True, H=2)
+    reset = jnp.zeros((2, 90), bool).at[0, 30].set(True).at[1, 64].set(True)
+    w = jnp.asarray(rng.normal(size=v.shape), jnp.float32)
+    ws = jnp.asarray(rng.normal(size=s0.shape), jnp.float32)
+
+    def loss(fn, *args):
+        o, s = fn(*args[:5], initial_state=args[5], output_final_state=True, reset=reset)
+        return jnp.sum(o * w) + jnp.sum(s * ws)
+
+    chunked = lambda *a, **kw: kda_chunked(*a, **kw, safe_gate=gate == "lower_bound", chunk_size=32,  # noqa: E731
+                                           recompute=recompute)
+    g_ref = jax.grad(lambda *a: loss(kda_recurrent, *a), argnums=tuple(range(6)))(q, k, v, g, beta, s0)
+    g_chk = jax.grad(lambda *a: loss(chunked, *a), argnums=tuple(range(6)))(q, k, v, g, beta, s0)
+    for name, a, b in zip("q k v g beta s0".split(), g_chk, g_ref):
+        assert rel(a, b) <= 1e-4, name
+
+
+@pytest.mark.parametrize("method", ["blocked", "neumann", "rowscan"])
+def test_unit_lower_solve_matches_numpy(rng, method):
+    from k3jax.ops.kda import solve_unit_lower
+
+    a = np.tril(rng.normal(size=(3, 64, 64)) * 0.15, -1).astype(np.float32)
+    r = rng.normal(size=(3, 64, 20)).astype(np.float32)
+    ref = np.linalg.solve(a.astype(np.float64) + np.eye(64), r.astype(np.float64))   # LAPACK, fp64
+    x = solve_unit_lower(jnp.asarray(a), jnp.asarray(r), method)
+    assert float(np.abs(np.asarray(x, np.float64) - ref).max() / np.abs(ref).max()) <= 1e-5
+
+
+def test_bfloat16_inputs_stay_within_1e2_of_float32(rng):
+    """bf16 q, k, v, g, β with fp32 internals: outputs, final state and gradients within 1e-2 relative (max-norm)
+    of the fp32 run on the same (bf16-representable) values, and of the fp32 run on the unrounded inputs."""
+    q, k, v, g, beta, s0 = make_inputs(rng, 200, "lower_bound", B=1, H=2, K=64, V=64)
+    bf = [x.astype(jnp.bfloat16) for x in (q, k, v, g, beta)]
+    o32, s32 = kda_chunked(q, k, v, g, beta, output_final_state=True, safe_gate=True)
+    o16, s16 = kda_chunked(*bf, output_final_state=True, safe_gate=True)
+    assert o16.dtype == jnp.bfloat16 and s16.dtype == jnp.float32
+    assert rel(o16.astype(jnp.float32), o32) <= 1e-2 and rel(s16, s32) <= 1e-2
+    rounded = [x.astype(jnp.float32) for x in bf]
+    o_r, _ = kda_chunked(*rounded, output_final_state=True, safe_gate=True)
+    assert rel(o16.astype(jnp.float32), o_r) <= 1e-2
+    assert rel(o16.astype(jnp.float32), o_r) < rel(o16.astype(jnp.float32), o32) + 1e-2
+    loss = lambda *x: jnp.sum(kda_chunked(*x, safe_gate=True)[0].astype(jnp.float32) ** 2)  # noqa: E731
+    g32 = jax.grad(loss, argnums=(0, 1, 2, 3, 4))(q, k, v, g, beta)
+    g16 = jax.grad(loss, argnums=(0, 1, 2, 3, 4))(*bf)
+    for name, a, b in zip("q k v g beta".split(), g16, g32):
+        assert a.dtype == jnp.bfloat16 and rel(a.astype(jnp.float32), b) <= 1e-2, name
+
+
+def test_safe_gate_sub_chunk_limit_is_named():
+    z = jnp.zeros((1, 64, 1, 8))
+    with pytest.raises(ValueError, match=r"safe_gate needs sub_chunk ≤ 16"):
+        kda_chunked(z, z, z, z, jnp.zeros((1, 64, 1)), safe_gate=True, sub_chunk=32)
