@@ -1,12 +1,15 @@
-"""Chunked KDA forward and forward+backward against the recurrent scan and fla's naive chunked KDA (torch CPU).
+"""Chunked KDA forward and forward+backward against the recurrent scan, the first version and fla's naive chunk.
 
-    .venv/bin/python -m benchmarks.kda [--T 1024 4096 16384] [--json out.json]
+    .venv/bin/python -m benchmarks.kda [--T 1024 4096 16384] [--explore-T 4096] [--reps 3] [--no-fla] [--json out.json]
 
-Shapes B=1, H=4, K=V=128, fp32, lower-bound gate (K3). FLOPs are counted from the chunked algorithm (chunk n=64,
-per chunk and head: decayed K·Kᵀ 2n²K, unit-triangular solve on [V | K̃] n²(V+K), in-chunk Q·Kᵀ 2n²K and
-P·U 2n²V, the state terms K̃S₀, QS₀ and the state update 6nKV); forward+backward = 3× forward. Reported: median
-time of ``--reps`` runs after warm-up, ratio to the FLOP-roofline time (FLOPs / GEMM FLOP/s measured in this run),
-and the compiled temporary memory of ``jax.grad`` vs the forward (XLA's memory analysis).
+Shapes B=1, H=4, K=V=128, lower-bound gate (K3), fp32 (plus one bf16-input row). FLOPs are counted once, from the
+chunked algorithm at n=64 (per chunk and head: decayed K·Kᵀ 2n²K, unit-triangular solve on [V | K̃] n²(V+K),
+in-chunk Q·Kᵀ 2n²K and P·U 2n²V, the state terms K̃S₀, QS₀ and the state update 6nKV); forward+backward = 3×
+forward. Every variant is measured against that same count, so a variant that does more work is not rewarded.
+Reported: median of ``--reps`` runs after a warm-up, ratio to the FLOP-roofline time (FLOPs / fp32 GEMM FLOP/s
+measured in this run), and XLA's compiled temporary memory of the backward with the recomputing custom VJP vs
+``jax.grad`` of the same forward storing its intermediates (``recompute=False``). ``--explore-T`` times each
+variant (chunk size, solve, cumsum, cross-chunk scan, recompute, the first version) at one length.
 """
 
 from __future__ import annotations
@@ -26,6 +29,22 @@ from benchmarks.roofline import machine
 from k3jax.ops.kda import kda_chunked, kda_recurrent
 
 B, H, K, V, N = 1, 4, 128, 128, 64
+
+VARIANTS: dict[str, dict] = {
+    "default (chunk 64, sub 16, blocked solve, tiled cumsum, scan, recompute)": {},
+    "chunk 16": {"chunk_size": 16},
+    "chunk 32": {"chunk_size": 32},
+    "chunk 128": {"chunk_size": 128},
+    "solve: Neumann doubling": {"solve": "neumann"},
+    "solve: row-by-row scan": {"solve": "rowscan"},
+    "cumsum: jnp.cumsum": {"cumsum": "native"},
+    "cumsum: triangular matmul": {"cumsum": "matmul"},
+    "scan: affine (M_c S + B_c)": {"scan": "affine"},
+    "scan: associative_scan": {"scan": "associative"},
+    "no recompute (jax.grad stores intermediates)": {"recompute": False},
+    "diagonal tiles pairwise (unbounded-gate path)": {"safe_gate": False},
+    "first version (before issue 7)": {"v0": True},
+}
 
 
 def flops_forward(T: int, n: int = N) -> float:
@@ -55,30 +74,53 @@ def timed(f, *args, reps: int) -> float:
     return statistics.median(ts)
 
 
-def fla_chunk_seconds(args, reps: int) -> float | None:
+def kernels(**kw):
+    """``(forward, forward+backward)`` jitted for one variant; the loss is ``Σ o²``."""
+    kw = dict(kw)
+    if kw.pop("v0", False):
+        from benchmarks.kda_v0 import kda_chunked_v0 as fn
+    else:
+        fn = kda_chunked
+    kw.setdefault("safe_gate", True)
+    fwd = lambda *x: fn(*x, **kw)[0]  # noqa: E731
+    loss = lambda *x: jnp.sum(fwd(*x).astype(jnp.float32) ** 2)  # noqa: E731
+    return jax.jit(fwd), jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+
+
+def temp_bytes(f, *x) -> int:
+    return int(getattr(f.lower(*x).compile().memory_analysis(), "temp_size_in_bytes", 0))
+
+
+def fla_chunk_seconds(args, reps: int) -> tuple[float | None, str]:
+    """fla 0.6.0's ``naive_chunk_kda`` (pure torch), on the GPU when JAX runs on one, else on the CPU."""
     spec = importlib.util.find_spec("fla")
     if spec is None:
-        return None
+        return None, "fla not installed"
     import torch
 
     path = Path(spec.submodule_search_locations[0]) / "ops" / "kda" / "naive.py"
     ms = importlib.util.spec_from_file_location("fla_kda_naive", path)
     mod = importlib.util.module_from_spec(ms)
     ms.loader.exec_module(mod)
-    t = [torch.from_numpy(a) for a in args]
+    dev = "cuda" if jax.default_backend() == "gpu" and torch.cuda.is_available() else "cpu"
+    t = [torch.from_numpy(a).to(dev) for a in args]
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
     with torch.no_grad():
         mod.naive_chunk_kda(*t)
+        sync()
         ts = []
         for _ in range(reps):
             s = time.perf_counter()
             mod.naive_chunk_kda(*t)
+            sync()
             ts.append(time.perf_counter() - s)
-    return statistics.median(ts)
+    return statistics.median(ts), f"torch {torch.__version__} {dev}"
 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--T", type=int, nargs="+", default=[1024, 4096, 16384])
+    ap.add_argument("--explore-T", type=int, default=4096, help="length for the variant table (0: skip it)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--json", default=None)
@@ -86,39 +128,59 @@ def main(argv: list[str] | None = None) -> dict:
     m = machine()
     peak = m["gemm_flops_fp32"]
     res = {"benchmark": "kda", **m, "shape": {"B": B, "H": H, "K": K, "V": V, "chunk": N}, "dtype": "float32",
-           "rows": []}
-    chunked = jax.jit(lambda *x: kda_chunked(*x, safe_gate=True)[0])
+           "flops_note": "FLOPs of the chunked algorithm at n=64 for every row; fwd+bwd = 3x forward",
+           "rows": [], "variants": []}
+    fwd, grad = kernels()
+    _, grad_stored = kernels(recompute=False)
     recurrent = jax.jit(lambda *x: kda_recurrent(*x)[0])
-    loss = lambda f: (lambda *x: jnp.sum(f(*x) ** 2))  # noqa: E731
-    grad_chunked = jax.jit(jax.grad(loss(lambda *x: kda_chunked(*x, safe_gate=True)[0]), argnums=(0, 1, 2, 3, 4)))
-    grad_recurrent = jax.jit(jax.grad(loss(lambda *x: kda_recurrent(*x)[0]), argnums=(0, 1, 2, 3, 4)))
+    grad_recurrent = jax.jit(jax.grad(lambda *x: jnp.sum(kda_recurrent(*x)[0] ** 2), argnums=(0, 1, 2, 3, 4)))
     for T in a.T:
         x = [jnp.asarray(v) for v in inputs(T)]
         fl = flops_forward(T)
         row = {"T": T, "flops_forward": fl, "roofline_forward_s": fl / peak, "roofline_fwd_bwd_s": 3 * fl / peak}
-        row["chunked_forward_s"] = timed(chunked, *x, reps=a.reps)
-        row["chunked_fwd_bwd_s"] = timed(grad_chunked, *x, reps=a.reps)
-        row["recurrent_forward_s"] = timed(recurrent, *x, reps=a.reps)
-        row["recurrent_fwd_bwd_s"] = timed(grad_recurrent, *x, reps=a.reps)
+        row["chunked_forward_s"] = timed(fwd, *x, reps=a.reps)
+        row["chunked_fwd_bwd_s"] = timed(grad, *x, reps=a.reps)
         row["forward_vs_roofline"] = row["chunked_forward_s"] / row["roofline_forward_s"]
         row["fwd_bwd_vs_roofline"] = row["chunked_fwd_bwd_s"] / row["roofline_fwd_bwd_s"]
+        row["chunked_bf16_forward_s"] = timed(fwd, *[v.astype(jnp.bfloat16) for v in x], reps=a.reps)
+        row["recurrent_forward_s"] = timed(recurrent, *x, reps=a.reps)
         row["chunked_speedup_vs_recurrent_forward"] = row["recurrent_forward_s"] / row["chunked_forward_s"]
-        fwd_mem = chunked.lower(*x).compile().memory_analysis()
-        bwd_mem = grad_chunked.lower(*x).compile().memory_analysis()
-        row["temp_bytes_forward"] = int(getattr(fwd_mem, "temp_size_in_bytes", 0))
-        row["temp_bytes_grad"] = int(getattr(bwd_mem, "temp_size_in_bytes", 0))
+        if T <= 4096:  # the token scan's backward stores T states: 16k would need 4 GiB
+            row["recurrent_fwd_bwd_s"] = timed(grad_recurrent, *x, reps=a.reps)
+        row["temp_bytes_forward"] = temp_bytes(fwd, *x)
+        row["temp_bytes_grad_recompute"] = temp_bytes(grad, *x)
+        row["temp_bytes_grad_stored"] = temp_bytes(grad_stored, *x)
+        row["input_bytes"] = int(sum(v.nbytes for v in x))
         if not a.no_fla:
-            s = fla_chunk_seconds([np.asarray(v) for v in x], a.reps)
-            row["fla_naive_chunk_forward_s"] = s
+            s, how = fla_chunk_seconds([np.asarray(v) for v in x], a.reps)
+            row["fla_naive_chunk_forward_s"], row["fla_how"] = s, how
             if s:
                 row["chunked_speedup_vs_fla_naive"] = s / row["chunked_forward_s"]
         res["rows"].append(row)
-        print(f"T={T:>6}: chunked fwd {row['chunked_forward_s'] * 1e3:8.1f} ms ({row['forward_vs_roofline']:.1f}× "
-              f"roofline), fwd+bwd {row['chunked_fwd_bwd_s'] * 1e3:8.1f} ms ({row['fwd_bwd_vs_roofline']:.1f}×); "
-              f"recurrent fwd {row['recurrent_forward_s'] * 1e3:8.1f} ms; fla naive chunk "
-              f"{(row.get('fla_naive_chunk_forward_s') or 0) * 1e3:8.1f} ms; grad temp "
-              f"{row['temp_bytes_grad'] / 2**20:.0f} MiB vs fwd {row['temp_bytes_forward'] / 2**20:.0f} MiB",
-              flush=True)
+        print(f"T={T:>6}: chunked fwd {row['chunked_forward_s'] * 1e3:8.2f} ms ({row['forward_vs_roofline']:.1f}× "
+              f"roofline), fwd+bwd {row['chunked_fwd_bwd_s'] * 1e3:8.2f} ms ({row['fwd_bwd_vs_roofline']:.1f}×); "
+              f"bf16 fwd {row['chunked_bf16_forward_s'] * 1e3:.2f} ms; recurrent fwd "
+              f"{row['recurrent_forward_s'] * 1e3:8.2f} ms; fla naive chunk "
+              f"{(row.get('fla_naive_chunk_forward_s') or 0) * 1e3:8.2f} ms; backward temp "
+              f"{row['temp_bytes_grad_recompute'] / 2**20:.0f} MiB (recompute) vs "
+              f"{row['temp_bytes_grad_stored'] / 2**20:.0f} MiB (jax.grad), forward {row['temp_bytes_forward'] / 2**20:.0f}"
+              f" MiB", flush=True)
+    if a.explore_T:
+        T = a.explore_T
+        x = [jnp.asarray(v) for v in inputs(T)]
+        fl = flops_forward(T)
+        res["explore_T"] = T
+        for name, kw in VARIANTS.items():
+            f, gf = kernels(**kw)
+            v = {"variant": name, "kwargs": kw, "forward_s": timed(f, *x, reps=a.reps),
+                 "fwd_bwd_s": timed(gf, *x, reps=a.reps)}
+            v["forward_vs_roofline"] = v["forward_s"] / (fl / peak)
+            v["fwd_bwd_vs_roofline"] = v["fwd_bwd_s"] / (3 * fl / peak)
+            v["temp_bytes_grad"] = temp_bytes(gf, *x)
+            res["variants"].append(v)
+            print(f"  T={T} {name:<70} fwd {v['forward_s'] * 1e3:8.2f} ms ({v['forward_vs_roofline']:5.1f}×)  "
+                  f"fwd+bwd {v['fwd_bwd_s'] * 1e3:8.2f} ms ({v['fwd_bwd_vs_roofline']:5.1f}×)  "
+                  f"grad temp {v['temp_bytes_grad'] / 2**20:.0f} MiB", flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=2))
     return res

@@ -4,7 +4,7 @@
 
 Names (``--list`` shows them): by default the main suite (roofline, kda, model); the slower ones run when named
 (``inference`` names all four inference benchmarks). The roofline (``benchmarks.roofline.machine()``: fp32 GEMM
-FLOP/s at 2048² and the bandwidth of a 256 MiB add) is measured once at the start and shared by every benchmark
+FLOP/s at full fp32 precision, 2048² on CPU and 8192² on an accelerator, and the bandwidth of a 256 MiB add) is measured once at the start and shared by every benchmark
 run in this process. Each benchmark is its module's ``main(argv)``; ``moonep`` (8 simulated devices) and
 ``inference_prefill`` (peak RSS) run in a process of their own. ``--quick`` passes small sizes (a smoke run of a
 few minutes; ``--save`` then needs ``--save-dir`` elsewhere, so that stored figures are never replaced by smoke
