@@ -152,7 +152,8 @@ def test_document_resets(rng, gate):
 # ------------------------------------------------------------------------------ fast-path variants (issue 7)
 @pytest.mark.parametrize("kw", [dict(chunk_size=16), dict(chunk_size=32), dict(chunk_size=128),
                                 dict(solve="neumann"), dict(solve="rowscan"), dict(cumsum="native"),
-                                dict(cumsum="matmul"), dict(scan="affine"), dict(scan="associative")])
+                                dict(cumsum="matmul"), dict(scan="affine"), dict(scan="associative"),
+                                dict(block=5)])
 def test_chunked_variants_match_recurrent(rng, kw):
     """Every chunk size / solve / cumsum / cross-chunk scan variant is the same recurrence (lower-bound gate,
     initial state, a document reset, T not a multiple of the chunk)."""
@@ -179,7 +180,7 @@ def test_gradients_with_resets_match_recurrent(rng, gate, recompute):
         return jnp.sum(o * w) + jnp.sum(s * ws)
 
     chunked = lambda *a, **kw: kda_chunked(*a, **kw, safe_gate=gate == "lower_bound", chunk_size=32,  # noqa: E731
-                                           recompute=recompute)
+                                           recompute=recompute, block=5)  # 12 (head, chunk) pairs: 3 blocks
     g_ref = jax.grad(lambda *a: loss(kda_recurrent, *a), argnums=tuple(range(6)))(q, k, v, g, beta, s0)
     g_chk = jax.grad(lambda *a: loss(chunked, *a), argnums=tuple(range(6)))(q, k, v, g, beta, s0)
     for name, a, b in zip("q k v g beta s0".split(), g_chk, g_ref):

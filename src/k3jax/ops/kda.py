@@ -324,12 +324,48 @@ def _chunk_outputs(q_dec, a_qk, S_in, U):
     return _mm("...nk,...kv->...nv", q_dec, S_in) + _mm("...ns,...sv->...nv", a_qk, U)
 
 
+def _blocked(fn, xs: tuple, block: int):
+    """``fn(*xs)`` over the leading axis in blocks of ``block`` rows (``lax.map``; the last block zero-padded), so
+    its intermediates exist for one block at a time. ``None`` entries pass through."""
+    N = next(x for x in xs if x is not None).shape[0]
+    if N <= block:
+        return fn(*xs)
+    nblk = -(-N // block)
+    pad = nblk * block - N
+
+    def split(x):
+        if x is None:
+            return None
+        x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) if pad else x
+        return x.reshape(nblk, block, *x.shape[1:])
+
+    out = jax.lax.map(lambda a: fn(*a), tuple(split(x) for x in xs))
+    return jax.tree.map(lambda y: y.reshape(nblk * block, *y.shape[2:])[:N], out)
+
+
+def _flat(x):
+    return None if x is None else x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
 def _intra_by_head(cfg, qc, kc, vc, gc, bc, reset):
-    """``_kda_intra`` over all (head, chunk) pairs as one flat batch ``[G·C, n, ·]`` — heads and chunks as batch
-    (a leading size-1 batch axis also crashes XLA:CPU 0.10's backward of this graph) — back to ``[G, C, ·]``."""
+    """``_kda_intra`` over all (head, chunk) pairs as one flat batch ``[G·C, n, ·]`` (heads and chunks as batch;
+    a leading size-1 batch axis also crashes XLA:CPU 0.10's backward of this graph), in blocks of
+    ``cfg.block`` pairs, back to ``[G, C, ·]``."""
     G, C = qc.shape[:2]
-    flat = lambda x: None if x is None else x.reshape(G * C, *x.shape[2:])  # noqa: E731
-    out = _kda_intra(*map(flat, (qc, kc, vc, gc, bc, reset)), **cfg.intra)
+    out = _blocked(lambda *a: _kda_intra(*a, **cfg.intra), tuple(map(_flat, (qc, kc, vc, gc, bc, reset))),
+                   cfg.block)
+    return tuple(x.reshape(G, C, *x.shape[1:]) for x in out)
+
+
+def _intra_vjp_by_head(cfg, qc, kc, vc, gc, bc, reset, cts):
+    """Cotangents of ``_intra_by_head`` w.r.t. q, k, v, g, β, block by block: each block recomputes its own
+    intermediates, so the backward's peak memory is one block's, not the whole sequence's."""
+    G, C = qc.shape[:2]
+
+    def one(q, k, v, g, b, r, *ct):
+        return jax.vjp(lambda *x: _kda_intra(*x, r, **cfg.intra), q, k, v, g, b)[1](ct)
+
+    out = _blocked(one, tuple(map(_flat, (qc, kc, vc, gc, bc, reset, *cts))), cfg.block)
     return tuple(x.reshape(G, C, *x.shape[1:]) for x in out)
 
 
@@ -346,10 +382,11 @@ def _kda_core_fwd(cfg, qc, kc, vc, gc, bc, reset, S0):
 def _kda_core_bwd(cfg, res, cts):
     """Recompute the per-chunk intermediates (one batched pass) and the chunk states (one scan), then a reverse
     scan carries dS; the only residuals kept from the forward are its inputs."""
-    qc, kc, vc, gc, bc, reset, S0 = res
     do, dS_final = cts
-    intra, intra_vjp = jax.vjp(lambda *x: _intra_by_head(cfg, *x, reset), qc, kc, vc, gc, bc)
-    a_qk, u0, w, q_dec, k_rest, decay = intra
+    # The barrier ties the recomputation to the incoming cotangent: without it XLA would CSE this pass with the
+    # forward's identical one and keep every intermediate alive from the forward to here after all.
+    (qc, kc, vc, gc, bc, reset, S0), do = jax.lax.optimization_barrier((res, do))
+    a_qk, u0, w, q_dec, k_rest, decay = _intra_by_head(cfg, qc, kc, vc, gc, bc, reset)
     S_in, U, _ = _chunk_states(u0, w, k_rest, decay, S0, "scan")
     d_qdec = _mm("...nv,...kv->...nk", do, S_in)
     d_aqk = _mm("...nv,...sv->...ns", do, U)
@@ -370,7 +407,7 @@ def _kda_core_bwd(cfg, res, cts):
     d_krest = _mm("...nv,...kv->...nk", U, dS_out_c)
     d_decay = jnp.sum(S_in * dS_out_c, axis=-1)
     d_w = -_mm("...nv,...kv->...nk", dU, S_in)
-    dq, dk, dv, dg, db = intra_vjp((d_aqk, dU, d_w, d_qdec, d_krest, d_decay))
+    dq, dk, dv, dg, db = _intra_vjp_by_head(cfg, qc, kc, vc, gc, bc, reset, (d_aqk, dU, d_w, d_qdec, d_krest, d_decay))
     return dq, dk, dv, dg, db, None, dS0
 
 
@@ -381,10 +418,10 @@ _kda_core.defvjp(_kda_core_fwd, _kda_core_bwd)
 class _Cfg:
     """Static settings of the chunked kernel (hashable, for ``nondiff_argnums``)."""
 
-    def __init__(self, sub: int, safe_gate: bool, solve: str, cumsum: str, scan: str):
+    def __init__(self, sub: int, safe_gate: bool, solve: str, cumsum: str, scan: str, block: int):
         self.intra = dict(sub=sub, safe_gate=safe_gate, solve=solve, cumsum=cumsum)
-        self.scan = scan
-        self._key = (sub, safe_gate, solve, cumsum, scan)
+        self.scan, self.block = scan, block
+        self._key = (sub, safe_gate, solve, cumsum, scan, block)
 
     def __hash__(self):
         return hash(self._key)
@@ -397,8 +434,8 @@ def kda_chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: ja
                 scale: float | None = None, initial_state: jax.Array | None = None,
                 output_final_state: bool = False, chunk_size: int = 64, sub_chunk: int = 16,
                 safe_gate: bool = False, reset: jax.Array | None = None, *, solve: str = "blocked",
-                cumsum: str = "tiled", scan: str = "scan", recompute: bool = True
-                ) -> tuple[jax.Array, jax.Array | None]:
+                cumsum: str = "tiled", scan: str = "scan", recompute: bool = True,
+                block: int = 128) -> tuple[jax.Array, jax.Array | None]:
     """Chunked KDA (spec §4.3), mathematically identical to :func:`kda_recurrent`; fp32 internals.
 
     Per chunk of n tokens with incoming state S₀ and in-chunk cumulative log decay ``b_r = Σ_{s≤r} g_s``::
@@ -416,7 +453,8 @@ def kda_chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: ja
     ``chunk_size`` (zero padding leaves state and outputs exact).
 
     ``recompute=True`` (default) differentiates with a custom VJP that keeps only the inputs and recomputes the
-    per-chunk intermediates in the backward pass; ``False`` lets ``jax.grad`` store them. ``solve``, ``cumsum``
+    per-chunk intermediates in the backward pass; ``False`` lets ``jax.grad`` store them. The intra-chunk pass
+    runs over ``block`` (chunk, head) pairs at a time (``lax.map``), which bounds its temporary memory. ``solve``, ``cumsum``
     (``tiled``/``native``/``matmul``) and ``scan`` (``scan``/``affine``/``associative``) select variants benchmarked in
     ``benchmarks/kda.py``.
 
@@ -450,7 +488,9 @@ def kda_chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: ja
         r = jnp.pad(reset.astype(bool), [(0, 0), (0, pad)]).reshape(B, 1, C, n)
         r = jnp.broadcast_to(r, (B, H, C, n)).reshape(B * H, C, n)
     S0 = (jnp.zeros((B, H, K, V), a) if initial_state is None else initial_state.astype(a)).reshape(B * H, K, V)
-    cfg = _Cfg(sub_chunk, safe_gate, solve, cumsum, scan)
+    if block < 1:
+        raise ValueError(f"kda_chunked: block must be ≥ 1 (chunk·head pairs per intra-chunk block); got {block}")
+    cfg = _Cfg(sub_chunk, safe_gate, solve, cumsum, scan, block)
     args = (prep(q) * scale, prep(k), prep(v), prep(g), prep(beta), r, S0)
     o, S = _kda_core(cfg, *args) if recompute else _kda_core_impl(cfg, *args)
     o = o.reshape(B, H, C * n, V)[:, :, :T]                                # [B, H, T, V]
