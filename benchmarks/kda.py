@@ -31,7 +31,9 @@ from k3jax.ops.kda import kda_chunked, kda_recurrent
 B, H, K, V, N = 1, 4, 128, 128, 64
 
 VARIANTS: dict[str, dict] = {
-    "default (chunk 64, sub 16, blocked solve, tiled cumsum, scan, recompute)": {},
+    "default (chunk 64, sub 16, blocked solve, tiled cumsum, scan, recompute, block 64)": {},
+    "intra block 16 (chunk, head) pairs": {"block": 16},
+    "intra block 256": {"block": 256},
     "chunk 16": {"chunk_size": 16},
     "chunk 32": {"chunk_size": 32},
     "chunk 128": {"chunk_size": 128},
@@ -103,7 +105,7 @@ def fla_chunk_seconds(args, reps: int) -> tuple[float | None, str]:
     mod = importlib.util.module_from_spec(ms)
     ms.loader.exec_module(mod)
     dev = "cuda" if jax.default_backend() == "gpu" and torch.cuda.is_available() else "cpu"
-    t = [torch.from_numpy(a).to(dev) for a in args]
+    t = [torch.from_numpy(np.array(a)).to(dev) for a in args]
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
     with torch.no_grad():
         mod.naive_chunk_kda(*t)

@@ -41,8 +41,8 @@ make bench                                             # = the two commands belo
 ```
 
 **Roofline.** Every figure is set against the machine it was measured on, in the same process:
-`benchmarks.roofline` measures the fp32 GEMM FLOP/s of a jitted 2048×2048 @ 2048×2048 and the memory bandwidth of
-a jitted `x + 1` over 256 MiB of fp32 (read + write counted), best of 5 after warm-up. `× roofline` is the measured
+`benchmarks.roofline` measures the fp32 GEMM FLOP/s of a jitted 2048×2048 @ 2048×2048 (8192² on an accelerator) at
+full fp32 precision (`Precision.HIGHEST`, as the KDA kernels run; no TF32) and the memory bandwidth of a jitted `x + 1` over 256 MiB of fp32 (read + write counted), best of 5 after warm-up. `× roofline` is the measured
 time over the FLOP-bound time (FLOPs / GEMM FLOP/s; 1× would be GEMM speed); MFU is model FLOPs per token ×
 tokens/s / the GEMM FLOP/s. Contenders (the recurrent scan, fla, transformers, the dropless exchange, the sign
 update) run in the same process on the same inputs.
@@ -84,7 +84,8 @@ def table(headers: list[str], rows: list[list[Any]]) -> str:
 
 # ---------------------------------------------------------------------------------------------- per benchmark
 def t_roofline(r: dict) -> str:
-    return table(["device", "backend", "devices", "fp32 GEMM GFLOP/s (2048²)", "memory GB/s (256 MiB add)"],
+    return table(["device", "backend", "devices", "fp32 GEMM GFLOP/s (HIGHEST; 2048² CPU, 8192² GPU)",
+                  "memory GB/s (256 MiB add)"],
                  [[r.get("device"), r.get("backend"), r.get("devices"), num(r.get("gemm_flops_fp32"), ",.1f", 1e-9),
                    num(r.get("memory_bytes_per_s"), ",.1f", 1e-9)]])
 
@@ -94,19 +95,31 @@ def t_kda(r: dict) -> str:
     for x in r.get("rows", []):
         cf, cb, rf, rb = (x.get(k) for k in ("chunked_forward_s", "chunked_fwd_bwd_s", "recurrent_forward_s",
                                              "recurrent_fwd_bwd_s"))
+        stored = x.get("temp_bytes_grad_stored")
         rows.append([x.get("T"), ms(cf), times(x.get("forward_vs_roofline")), ms(cb),
-                     times(x.get("fwd_bwd_vs_roofline")), ms(rf), ms(rb),
+                     times(x.get("fwd_bwd_vs_roofline")), ms(x.get("chunked_bf16_forward_s")), ms(rf), ms(rb),
                      times(x.get("chunked_speedup_vs_recurrent_forward")), times(rb / cb if rb and cb else None),
                      ms(x.get("fla_naive_chunk_forward_s")), times(x.get("chunked_speedup_vs_fla_naive")),
-                     mib(x.get("temp_bytes_forward")), mib(x.get("temp_bytes_grad"))])
+                     mib(x.get("temp_bytes_forward")), mib(x.get("temp_bytes_grad_recompute", x.get("temp_bytes_grad"))),
+                     mib(stored)])
     s = r.get("shape", {})
     head = (f"Shapes B={s.get('B')}, H={s.get('H')}, K={s.get('K')}, V={s.get('V')}, chunk {s.get('chunk')}, "
-            f"{r.get('dtype', 'float32')}; times in ms (median); `× roofline` = time / (FLOPs / GEMM FLOP/s); "
-            f"speedups = contender time / chunked time.\n\n")
-    return head + table(["T", "chunked fwd ms", "fwd × roofline", "chunked fwd+bwd ms", "fwd+bwd × roofline",
-                         "recurrent fwd ms", "recurrent fwd+bwd ms", "speedup vs recurrent fwd",
-                         "speedup vs recurrent fwd+bwd", "fla naive chunk fwd ms", "speedup vs fla (fwd)",
-                         "fwd temp MiB", "grad temp MiB"], rows)
+            f"{r.get('dtype', 'float32')} (bf16 column: bf16 inputs, fp32 inside); times in ms (median); "
+            f"`× roofline` = time / (FLOPs of the chunked algorithm at n=64 / GEMM FLOP/s), fwd+bwd counted as 3× "
+            f"fwd; speedups = contender time / chunked time; temp MiB = XLA's compiled temporary memory of the "
+            f"forward, of forward+backward with k3jax's recomputing custom VJP, and with `jax.grad` storing the "
+            f"forward's intermediates.\n\n")
+    out = head + table(["T", "chunked fwd ms", "fwd × roofline", "chunked fwd+bwd ms", "fwd+bwd × roofline",
+                        "bf16 fwd ms", "recurrent fwd ms", "recurrent fwd+bwd ms", "speedup vs recurrent fwd",
+                        "speedup vs recurrent fwd+bwd", "fla naive chunk fwd ms", "speedup vs fla (fwd)",
+                        "fwd temp MiB", "fwd+bwd temp MiB (recompute)", "fwd+bwd temp MiB (jax.grad)"], rows)
+    if r.get("variants"):
+        vrows = [[v.get("variant"), ms(v.get("forward_s")), times(v.get("forward_vs_roofline")), ms(v.get("fwd_bwd_s")),
+                  times(v.get("fwd_bwd_vs_roofline")), mib(v.get("temp_bytes_grad"))] for v in r["variants"]]
+        out += (f"\n\nVariants at T={r.get('explore_T')} (same FLOP count for every row):\n\n"
+                + table(["variant", "fwd ms", "fwd × roofline", "fwd+bwd ms", "fwd+bwd × roofline",
+                         "fwd+bwd temp MiB"], vrows))
+    return out
 
 
 def t_model(r: dict) -> str:
@@ -306,6 +319,8 @@ def section(path: Path) -> tuple[str, str]:
                        if r.get("device") or (r.get("roofline") or {}).get("device") else ""))
     label, cmd = shown_command(r, name)
     body = [f"### {title}", "", machine_line(r, path), "", f"{label}: {cmd}", ""]
+    if r.get("code_note"):
+        body += [f"Note: {r['code_note']}.", ""]
     if r.get("error"):
         body += [f"**failed**: {r['error']}", ""]
     else:

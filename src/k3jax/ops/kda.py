@@ -435,7 +435,7 @@ def kda_chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: ja
                 output_final_state: bool = False, chunk_size: int = 64, sub_chunk: int = 16,
                 safe_gate: bool = False, reset: jax.Array | None = None, *, solve: str = "blocked",
                 cumsum: str = "tiled", scan: str = "scan", recompute: bool = True,
-                block: int = 128) -> tuple[jax.Array, jax.Array | None]:
+                block: int = 64) -> tuple[jax.Array, jax.Array | None]:
     """Chunked KDA (spec §4.3), mathematically identical to :func:`kda_recurrent`; fp32 internals.
 
     Per chunk of n tokens with incoming state S₀ and in-chunk cumulative log decay ``b_r = Σ_{s≤r} g_s``::
