@@ -78,8 +78,11 @@ def test_training_on_a_data2_expert4_mesh_follows_one_device(train_results):
     sharded by the logical-axis rules), vs the same run on one device."""
     d = train_results
     assert len(d["single"]) == len(d["moonep"]) == 20 and len(d["fsdp_tensor"]) == 6
-    for a, b in zip(d["single"], d["moonep"]):
-        assert abs(a - b) <= 1e-4 * abs(a), (a, b)
+    # The chunked KDA's rounding depends on the per-device batch (XLA picks its codegen per shape), and this fast-
+    # falling loss amplifies 1e-7 differences over steps (measured: ≤ 8.3e-7 through step 10, 3.5e-4 by step 18).
+    # A wrong exchange or plan shows at O(1) from the first step on, so: 10 steps tight, all 20 loose.
+    for i, (a, b) in enumerate(zip(d["single"], d["moonep"])):
+        assert abs(a - b) <= (1e-5 if i < 10 else 2e-3) * abs(a), (i, a, b)
     # fsdp/tensor split the non-expert matmuls' contractions over devices, which changes the order of fp32 sums;
     # training amplifies such rounding differences over steps (measured: 1e-7 for 6 steps, ~1e-3 by step 20),
     # so the check covers the first 6 steps, where a wrong sharding rule would already show at O(1)
