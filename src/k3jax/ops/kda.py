@@ -380,8 +380,9 @@ def _kda_core_fwd(cfg, qc, kc, vc, gc, bc, reset, S0):
 
 
 def _kda_core_bwd(cfg, res, cts):
-    """Recompute the per-chunk intermediates (one batched pass) and the chunk states (one scan), then a reverse
-    scan carries dS; the only residuals kept from the forward are its inputs."""
+    """Recompute the intra-chunk outputs (block by block) and the chunk states (one scan), carry dS back with a
+    reverse scan, then take the intra-chunk VJP block by block; the only residuals kept from the forward are its
+    inputs."""
     do, dS_final = cts
     # The barrier ties the recomputation to the incoming cotangent: without it XLA would CSE this pass with the
     # forward's identical one and keep every intermediate alive from the forward to here after all.
