@@ -152,8 +152,8 @@ def test_document_resets(rng, gate):
 # ------------------------------------------------------------------------------ fast-path variants (issue 7)
 @pytest.mark.parametrize("kw", [dict(chunk_size=16), dict(chunk_size=32), dict(chunk_size=128),
                                 dict(solve="neumann"), dict(solve="rowscan"), dict(cumsum="native"),
-                                dict(cumsum="matmul"), dict(scan="affine"), dict(scan="associative"),
-                                dict(block=5)])
+                                dict(cumsum="matmul"), dict(scan="scan"), dict(scan="affine"),
+                                dict(scan="associative"), dict(block=5), dict(block=1000)])
 def test_chunked_variants_match_recurrent(rng, kw):
     """Every chunk size / solve / cumsum / cross-chunk scan variant is the same recurrence (lower-bound gate,
     initial state, a document reset, T not a multiple of the chunk)."""
@@ -165,11 +165,14 @@ def test_chunked_variants_match_recurrent(rng, kw):
     assert rel(o, o_ref) <= 1e-5 and rel(s, s_ref) <= 1e-5
 
 
+@pytest.mark.parametrize("kw", [dict(block=5), dict(block=8), dict(scan="scan", block=5)])
 @pytest.mark.parametrize("recompute", [True, False])
 @pytest.mark.parametrize("gate", ["lower_bound", "softplus"])
-def test_gradients_with_resets_match_recurrent(rng, gate, recompute):
+def test_gradients_with_resets_match_recurrent(rng, gate, recompute, kw):
     """The recomputing custom VJP (and plain autodiff of the same forward) equal ``jax.grad`` of the token scan,
-    with packed-document resets and cotangents on both the outputs and the final state."""
+    with packed-document resets and cotangents on both the outputs and the final state. 4 heads·batch and 3
+    chunks: ``block=5`` runs the fused scan one chunk per step, ``block=8`` two (the 3 chunks padded to 4), and
+    ``scan="scan"`` the separate-pass path (intra pass in blocks of 5 (chunk, head) pairs)."""
     q, k, v, g, beta, s0 = make_inputs(rng, 90, gate, init=True, H=2)
     reset = jnp.zeros((2, 90), bool).at[0, 30].set(True).at[1, 64].set(True)
     w = jnp.asarray(rng.normal(size=v.shape), jnp.float32)
@@ -179,8 +182,8 @@ def test_gradients_with_resets_match_recurrent(rng, gate, recompute):
         o, s = fn(*args[:5], initial_state=args[5], output_final_state=True, reset=reset)
         return jnp.sum(o * w) + jnp.sum(s * ws)
 
-    chunked = lambda *a, **kw: kda_chunked(*a, **kw, safe_gate=gate == "lower_bound", chunk_size=32,  # noqa: E731
-                                           recompute=recompute, block=5)  # 12 (head, chunk) pairs: 3 blocks
+    chunked = lambda *a, **kw2: kda_chunked(*a, **kw2, safe_gate=gate == "lower_bound", chunk_size=32,  # noqa: E731
+                                            recompute=recompute, **kw)
     g_ref = jax.grad(lambda *a: loss(kda_recurrent, *a), argnums=tuple(range(6)))(q, k, v, g, beta, s0)
     g_chk = jax.grad(lambda *a: loss(chunked, *a), argnums=tuple(range(6)))(q, k, v, g, beta, s0)
     for name, a, b in zip("q k v g beta s0".split(), g_chk, g_ref):

@@ -143,6 +143,7 @@ def kda_recurrent(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: 
 
 # ---------------------------------------------------------------------------------------------- chunked
 SOLVES = ("blocked", "neumann", "rowscan")
+SCANS = ("fused", "scan", "affine", "associative")
 
 
 def inverse_unit_lower_neumann(a_strict: jax.Array) -> jax.Array:
@@ -284,10 +285,11 @@ def _kda_intra(qc, kc, vc, gc, bc, reset, *, sub: int, safe_gate: bool, solve: s
 def _chunk_states(u0, w, k_rest, decay, S0, scan: str):
     """Carry S across chunks: ``U_c = u0_c − w_c S_c``, ``S_{c+1} = e^{b_n} ⊙ S_c + k_restᵀ U_c``.
 
-    Inputs ``[G, C, n, ·]`` (G = batch × heads), ``decay [G, C, K]``, ``S0 [G, K, V]``. Returns ``(S_c [G, C, K, V]``
-    the state entering each chunk, ``U [G, C, n, V]``, final state)``. ``scan="associative"`` instead composes the
-    affine maps ``S ↦ M_c S + B_c`` (``M_c = diag(e^{b_n}) − k_restᵀ w_c``) with ``lax.associative_scan``;
-    ``scan="affine"`` precomputes ``M_c, B_c`` for all chunks and scans ``S ← M_c S + B_c`` (one matmul a step).
+    Inputs chunk-major ``[C, G, n, ·]`` (G = batch × heads; the scan reads them in place), ``decay [C, G, K]``,
+    ``S0 [G, K, V]``. Returns ``(S_c [C, G, K, V]`` the state entering each chunk, ``U [C, G, n, V]``, final
+    state)``. ``scan="associative"`` instead composes the affine maps ``S ↦ M_c S + B_c``
+    (``M_c = diag(e^{b_n}) − k_restᵀ w_c``) with ``lax.associative_scan``; ``scan="affine"`` precomputes
+    ``M_c, B_c`` for all chunks and scans ``S ← M_c S + B_c`` (one matmul a step).
     """
     if scan in ("associative", "affine"):
         M = decay[..., :, None] * jnp.eye(decay.shape[-1], dtype=decay.dtype) - _mm("...nk,...nj->...kj", k_rest, w)
@@ -296,27 +298,25 @@ def _chunk_states(u0, w, k_rest, decay, S0, scan: str):
         def step(S, xs):
             return _mm("gkj,gjv->gkv", xs[0], S) + xs[1], S
 
-        S, S_in = jax.lax.scan(step, S0, (jnp.moveaxis(M, 1, 0), jnp.moveaxis(Bc, 1, 0)))
-        S_in = jnp.moveaxis(S_in, 0, 1)
+        S, S_in = jax.lax.scan(step, S0, (M, Bc))
         return S_in, u0 - _mm("...nk,...kv->...nv", w, S_in), S
     if scan == "associative":
         def combine(x, y):  # apply x then y
             return _mm("...ij,...jk->...ik", y[0], x[0]), _mm("...ij,...jv->...iv", y[0], x[1]) + y[1]
 
-        Mc, Sc = jax.lax.associative_scan(combine, (M, Bc), axis=1)
-        S_after = Sc + _mm("gckj,gjv->gckv", Mc, S0)                      # S_{c+1} for every chunk
-        S_in = jnp.concatenate([S0[:, None], S_after[:, :-1]], axis=1)
+        Mc, Sc = jax.lax.associative_scan(combine, (M, Bc), axis=0)
+        S_after = Sc + _mm("cgkj,gjv->cgkv", Mc, S0)                      # S_{c+1} for every chunk
+        S_in = jnp.concatenate([S0[None], S_after[:-1]], axis=0)
         U = u0 - _mm("...nk,...kv->...nv", w, S_in)
-        return S_in, U, S_after[:, -1]
-    cm = lambda x: jnp.moveaxis(x, 1, 0)  # noqa: E731  chunk-major for the scan
+        return S_in, U, S_after[-1]
 
     def body(S, xs):
         u0_c, w_c, kr_c, d_c = xs
         U = u0_c - _mm("gnk,gkv->gnv", w_c, S)
         return d_c[..., None] * S + _mm("gnk,gnv->gkv", kr_c, U), (S, U)
 
-    S, (S_in, U) = jax.lax.scan(body, S0, (cm(u0), cm(w), cm(k_rest), cm(decay)))
-    return jnp.moveaxis(S_in, 0, 1), jnp.moveaxis(U, 0, 1), S
+    S, (S_in, U) = jax.lax.scan(body, S0, (u0, w, k_rest, decay))
+    return S_in, U, S
 
 
 def _chunk_outputs(q_dec, a_qk, S_in, U):
@@ -348,25 +348,25 @@ def _flat(x):
 
 
 def _intra_by_head(cfg, qc, kc, vc, gc, bc, reset):
-    """``_kda_intra`` over all (head, chunk) pairs as one flat batch ``[G·C, n, ·]`` (heads and chunks as batch;
+    """``_kda_intra`` over all (chunk, head) pairs as one flat batch ``[C·G, n, ·]`` (chunks and heads as batch;
     a leading size-1 batch axis also crashes XLA:CPU 0.10's backward of this graph), in blocks of
-    ``cfg.block`` pairs, back to ``[G, C, ·]``."""
-    G, C = qc.shape[:2]
+    ``cfg.block`` pairs, back to ``[C, G, ·]``."""
+    C, G = qc.shape[:2]
     out = _blocked(lambda *a: _kda_intra(*a, **cfg.intra), tuple(map(_flat, (qc, kc, vc, gc, bc, reset))),
                    cfg.block)
-    return tuple(x.reshape(G, C, *x.shape[1:]) for x in out)
+    return tuple(x.reshape(C, G, *x.shape[1:]) for x in out)
 
 
 def _intra_vjp_by_head(cfg, qc, kc, vc, gc, bc, reset, cts):
     """Cotangents of ``_intra_by_head`` w.r.t. q, k, v, g, β, block by block: each block recomputes its own
     intermediates, so the backward's peak memory is one block's, not the whole sequence's."""
-    G, C = qc.shape[:2]
+    C, G = qc.shape[:2]
 
     def one(q, k, v, g, b, r, *ct):
         return jax.vjp(lambda *x: _kda_intra(*x, r, **cfg.intra), q, k, v, g, b)[1](ct)
 
     out = _blocked(one, tuple(map(_flat, (qc, kc, vc, gc, bc, reset, *cts))), cfg.block)
-    return tuple(x.reshape(G, C, *x.shape[1:]) for x in out)
+    return tuple(x.reshape(C, G, *x.shape[1:]) for x in out)
 
 
 def _kda_core_impl(cfg, qc, kc, vc, gc, bc, reset, S0):
@@ -393,7 +393,6 @@ def _kda_core_bwd(cfg, res, cts):
     d_aqk = _mm("...nv,...sv->...ns", do, U)
     dU_out = _mm("...ns,...nv->...sv", a_qk, do)
     dS_out = _mm("...nk,...nv->...kv", q_dec, do)
-    cm = lambda x: jnp.moveaxis(x, 1, 0)  # noqa: E731
 
     def body(dS, xs):  # dS: gradient w.r.t. the state leaving chunk c
         dU_c, dSo_c, w_c, kr_c, d_c = xs
@@ -402,9 +401,7 @@ def _kda_core_bwd(cfg, res, cts):
         return dS_in, (dU, dS)
 
     dS_last = jnp.zeros_like(S0) if dS_final is None else dS_final
-    dS0, (dU, dS_out_c) = jax.lax.scan(body, dS_last, (cm(dU_out), cm(dS_out), cm(w), cm(k_rest), cm(decay)),
-                                       reverse=True)
-    dU, dS_out_c = jnp.moveaxis(dU, 0, 1), jnp.moveaxis(dS_out_c, 0, 1)
+    dS0, (dU, dS_out_c) = jax.lax.scan(body, dS_last, (dU_out, dS_out, w, k_rest, decay), reverse=True)
     d_krest = _mm("...nv,...kv->...nk", U, dS_out_c)
     d_decay = jnp.sum(S_in * dS_out_c, axis=-1)
     d_w = -_mm("...nv,...kv->...nk", dU, S_in)
@@ -416,13 +413,145 @@ _kda_core = jax.custom_vjp(_kda_core_impl, nondiff_argnums=(0,))
 _kda_core.defvjp(_kda_core_fwd, _kda_core_bwd)
 
 
+# ------------------------------------------------------------------------------ fused: one scan over chunk blocks
+# The default path reads q, k, v, g, β in their own [B, T, H, ·] layout (and dtype) one block of ``bc`` chunks at a
+# time and writes o (and, backward, the gradients) back in place, so nothing sequence-sized is ever transposed,
+# cast or stored between passes: intra pass, state recurrence and outputs all run on a block that fits in cache.
+def _block_heads(cfg, x, i):
+    """Block ``i`` (``bc`` chunks) of ``x [B, T', H, ·]`` as chunk-major ``[bc, B·H, n, ·]`` in ``cfg.dtype``."""
+    B, _, H = x.shape[:3]
+    x = jax.lax.dynamic_slice_in_dim(x, i * cfg.bc * cfg.n, cfg.bc * cfg.n, axis=1).astype(cfg.dtype)
+    x = jnp.moveaxis(x.reshape(B, cfg.bc, cfg.n, H, *x.shape[3:]), (1, 3), (0, 2))
+    return x.reshape(cfg.bc, B * H, cfg.n, *x.shape[4:])
+
+
+def _block_in(cfg, xs, i):
+    """Block ``i`` of the raw inputs ``q, k, v, g [B, T', H, ·]``, ``β [B, T', H]``, ``reset [B, T'] | None`` as
+    the ``_kda_intra`` inputs ``[bc, B·H, n, ·]`` (q scaled)."""
+    q, k, v, g, beta, reset = xs
+    B, _, H = beta.shape
+    r = None
+    if reset is not None:
+        r = jax.lax.dynamic_slice_in_dim(reset, i * cfg.bc * cfg.n, cfg.bc * cfg.n, axis=1)
+        r = jnp.broadcast_to(jnp.moveaxis(r.reshape(B, cfg.bc, 1, cfg.n), 1, 0), (cfg.bc, B, H, cfg.n))
+        r = r.reshape(cfg.bc, B * H, cfg.n)
+    return (_block_heads(cfg, q, i) * cfg.scale, *(_block_heads(cfg, x, i) for x in (k, v, g, beta)), r)
+
+
+def _block_out(x, B: int):
+    """``[bc, B·H, n, ·] -> [B, bc·n, H, ·]`` (inverse of ``_block_in``'s layout change)."""
+    bc, G, n = x.shape[:3]
+    x = jnp.moveaxis(x.reshape(bc, B, G // B, n, *x.shape[3:]), (0, 2), (1, 3))
+    return x.reshape(B, bc * n, G // B, *x.shape[4:])
+
+
+def _block_intra(cfg, xs):
+    """``_kda_intra`` on one block ``[bc, G, n, ·]`` of chunks (all heads), flat over (chunk, head) pairs."""
+    bc, G = xs[0].shape[:2]
+    out = _kda_intra(*map(_flat, xs), **cfg.intra)
+    return tuple(x.reshape(bc, G, *x.shape[1:]) for x in out)
+
+
+def _fused_forward(cfg, xs, S0):
+    """Returns ``(o [B, T', H, V] in cfg.dtype, final S [G, K, V], S entering each block [T'/(bc·n), G, K, V])``."""
+    B, Tp, H = xs[4].shape
+    nblk = Tp // (cfg.bc * cfg.n)
+
+    def chunk_states(S, intra):
+        a_qk, u0, w, q_dec, k_rest, decay = intra
+        S_in, U = [], []
+        for j in range(cfg.bc):
+            S_in.append(S)
+            U.append(u0[j] - _mm("gnk,gkv->gnv", w[j], S))
+            S = decay[j][..., None] * S + _mm("gkn,gnv->gkv", k_rest[j], U[j])
+        S_in, U = jnp.stack(S_in), jnp.stack(U)
+        return S, _mm("cgnk,cgkv->cgnv", q_dec, S_in) + _mm("cgns,cgsv->cgnv", a_qk, U)
+
+    def intra_of(i):
+        a_qk, u0, w, q_dec, k_rest, decay = _block_intra(cfg, _block_in(cfg, xs, i))
+        return a_qk, u0, w, q_dec, jnp.swapaxes(k_rest, -1, -2), decay
+
+    def step(carry, i):
+        S, o = carry
+        S_start = S
+        S, ob = chunk_states(S, intra_of(i))
+        o = jax.lax.dynamic_update_slice_in_dim(o, _block_out(ob, B), i * cfg.bc * cfg.n, axis=1)
+        return (S, o), S_start
+
+    o0 = jnp.zeros((B, Tp, H, xs[2].shape[-1]), cfg.dtype)
+    (S, o), S_starts = jax.lax.scan(step, (S0, o0), jnp.arange(nblk))
+    return o, S, S_starts
+
+
+def _kda_fused_impl(cfg, q, k, v, g, beta, reset, S0):
+    o, S, _ = _fused_forward(cfg, (q, k, v, g, beta, reset), S0)
+    return o, S
+
+
+def _kda_fused_fwd(cfg, q, k, v, g, beta, reset, S0):
+    o, S, S_starts = _fused_forward(cfg, (q, k, v, g, beta, reset), S0)
+    return (o, S), (q, k, v, g, beta, reset, S_starts)
+
+
+def _kda_fused_bwd(cfg, res, cts):
+    """One reverse scan over the blocks, carrying dS: each block re-reads its inputs, re-runs its intra pass under
+    ``jax.vjp``, replays its states from the stored block-entry state, carries dS back through its chunks, pulls
+    the cotangents back through the intra pass and writes dq, dk, dv, dg, dβ in place. Residuals: the inputs and
+    one state per block."""
+    do, dS_final = cts
+    (q, k, v, g, beta, reset, S_starts), do = jax.lax.optimization_barrier((res, do))
+    xs = (q, k, v, g, beta, reset)
+    B, Tp, H = beta.shape
+    bc, L = cfg.bc, cfg.bc * cfg.n
+
+    def step(carry, i):
+        dS, grads = carry
+        x_in = _block_in(cfg, xs, i)
+        r = x_in[5]
+        intra, pull = jax.vjp(lambda *a: _block_intra(cfg, (*a, r)), *x_in[:5])
+        a_qk, u0, w, q_dec, k_rest, decay = intra
+        do_b, S = _block_heads(cfg, do, i), S_starts[i]
+        S_in, U = [], []
+        for j in range(bc):
+            S_in.append(S)
+            U.append(u0[j] - _mm("gnk,gkv->gnv", w[j], S))
+            S = decay[j][..., None] * S + _mm("gnk,gnv->gkv", k_rest[j], U[j])
+        d = [[None] * bc for _ in range(6)]  # cotangents of a_qk, u0, w, q_dec, k_rest, decay per chunk
+        for j in reversed(range(bc)):       # dS: gradient w.r.t. the state leaving chunk j
+            d[3][j] = _mm("gnv,gkv->gnk", do_b[j], S_in[j])
+            d[0][j] = _mm("gnv,gsv->gns", do_b[j], U[j])
+            dU = _mm("gns,gnv->gsv", a_qk[j], do_b[j]) + _mm("gnk,gkv->gnv", k_rest[j], dS)
+            d[4][j] = _mm("gnv,gkv->gnk", U[j], dS)
+            d[5][j] = jnp.sum(S_in[j] * dS, axis=-1)
+            d[1][j], d[2][j] = dU, -_mm("gnv,gkv->gnk", dU, S_in[j])
+            dS = (decay[j][..., None] * dS + _mm("gnk,gnv->gkv", q_dec[j], do_b[j])
+                  - _mm("gnk,gnv->gkv", w[j], dU))
+        dq, dk, dv, dg, db = pull(tuple(jnp.stack(x) for x in d))
+        dq = dq * cfg.scale
+        grads = tuple(jax.lax.dynamic_update_slice_in_dim(buf, _block_out(x, B).astype(buf.dtype), i * L, axis=1)
+                      for buf, x in zip(grads, (dq, dk, dv, dg, db)))
+        return (dS, grads), None
+
+    dS_last = jnp.zeros_like(S_starts[0]) if dS_final is None else dS_final.astype(jnp.float32)
+    zeros = tuple(jnp.zeros(x.shape, x.dtype) for x in xs[:5])
+    (dS0, grads), _ = jax.lax.scan(step, (dS_last, zeros), jnp.arange(S_starts.shape[0]), reverse=True)
+    return (*grads, None, dS0)
+
+
+_kda_fused = jax.custom_vjp(_kda_fused_impl, nondiff_argnums=(0,))
+_kda_fused.defvjp(_kda_fused_fwd, _kda_fused_bwd)
+
+
 class _Cfg:
     """Static settings of the chunked kernel (hashable, for ``nondiff_argnums``)."""
 
-    def __init__(self, sub: int, safe_gate: bool, solve: str, cumsum: str, scan: str, block: int):
+    def __init__(self, sub: int, safe_gate: bool, solve: str, cumsum: str, scan: str, block: int,
+                 n: int = 0, bc: int = 0, scale: float = 1.0, dtype=jnp.float32):
         self.intra = dict(sub=sub, safe_gate=safe_gate, solve=solve, cumsum=cumsum)
         self.scan, self.block = scan, block
-        self._key = (sub, safe_gate, solve, cumsum, scan, block)
+        # fused path: chunk size, chunks per block, q scale, internal dtype
+        self.n, self.bc, self.scale, self.dtype = n, bc, scale, jnp.dtype(dtype)
+        self._key = (sub, safe_gate, solve, cumsum, scan, block, n, bc, scale, self.dtype)
 
     def __hash__(self):
         return hash(self._key)
@@ -435,8 +564,8 @@ def kda_chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: ja
                 scale: float | None = None, initial_state: jax.Array | None = None,
                 output_final_state: bool = False, chunk_size: int = 64, sub_chunk: int = 16,
                 safe_gate: bool = False, reset: jax.Array | None = None, *, solve: str = "blocked",
-                cumsum: str = "tiled", scan: str = "scan", recompute: bool = True,
-                block: int = 64) -> tuple[jax.Array, jax.Array | None]:
+                cumsum: str = "tiled", scan: str = "fused", recompute: bool = True,
+                block: int = 16) -> tuple[jax.Array, jax.Array | None]:
     """Chunked KDA (spec §4.3), mathematically identical to :func:`kda_recurrent`; fp32 internals.
 
     Per chunk of n tokens with incoming state S₀ and in-chunk cumulative log decay ``b_r = Σ_{s≤r} g_s``::
@@ -477,23 +606,35 @@ def kda_chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: ja
     pad = C * n - T
     a = acc_dtype(q, k, v)
 
-    def prep(x):  # [B, T, H, ...] -> [B·H, C, n, ...] fp32, zero padded at the end
+    def prep(x):  # [B, T, H, ...] -> chunk-major [C, B·H, n, ...] fp32, zero padded at the end
         x = x.astype(a)
         if pad:
             x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-        x = jnp.moveaxis(x, 2, 1)
-        return x.reshape(B * H, C, n, *x.shape[3:])
+        x = jnp.moveaxis(x.reshape(B, C, n, H, *x.shape[3:]), (1, 3), (0, 2))  # [C, B, H, n, ...]
+        return x.reshape(C, B * H, n, *x.shape[4:])
 
-    r = None
-    if reset is not None:
-        r = jnp.pad(reset.astype(bool), [(0, 0), (0, pad)]).reshape(B, 1, C, n)
-        r = jnp.broadcast_to(r, (B, H, C, n)).reshape(B * H, C, n)
-    S0 = (jnp.zeros((B, H, K, V), a) if initial_state is None else initial_state.astype(a)).reshape(B * H, K, V)
     if block < 1:
         raise ValueError(f"kda_chunked: block must be ≥ 1 (chunk·head pairs per intra-chunk block); got {block}")
+    if scan not in SCANS:
+        raise ValueError(f"kda_chunked: scan must be one of {SCANS}, got {scan!r}")
+    S0 = (jnp.zeros((B, H, K, V), a) if initial_state is None else initial_state.astype(a)).reshape(B * H, K, V)
+    if scan == "fused":
+        bc = min(C, max(1, block // (B * H)))                               # chunks per block
+        cfg = _Cfg(sub_chunk, safe_gate, solve, cumsum, scan, block, n, bc, scale, a)
+        Tp = -(-C // bc) * bc * n
+        padT = lambda x: x if Tp == T else jnp.pad(x, [(0, 0), (0, Tp - T)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
+        r = None if reset is None else padT(reset.astype(bool))
+        args = (*map(padT, (q, k, v, g, beta)), r, S0)
+        o, S = _kda_fused(cfg, *args) if recompute else _kda_fused_impl(cfg, *args)
+        o = o[:, :T].astype(v.dtype)
+        return o, (S.reshape(B, H, K, V) if output_final_state else None)
+    r = None
+    if reset is not None:
+        r = jnp.pad(reset.astype(bool), [(0, 0), (0, pad)]).reshape(B, C, 1, n)
+        r = jnp.broadcast_to(jnp.moveaxis(r, 1, 0), (C, B, H, n)).reshape(C, B * H, n)
     cfg = _Cfg(sub_chunk, safe_gate, solve, cumsum, scan, block)
     args = (prep(q) * scale, prep(k), prep(v), prep(g), prep(beta), r, S0)
     o, S = _kda_core(cfg, *args) if recompute else _kda_core_impl(cfg, *args)
-    o = o.reshape(B, H, C * n, V)[:, :, :T]                                # [B, H, T, V]
-    o = jnp.moveaxis(o, 1, 2).astype(v.dtype)
+    o = jnp.moveaxis(o.reshape(C, B, H, n, V), (0, 2), (1, 3))               # [B, C, n, H, V]
+    o = o.reshape(B, C * n, H, V)[:, :T].astype(v.dtype)
     return o, (S.reshape(B, H, K, V) if output_final_state else None)
