@@ -250,8 +250,13 @@ def _kda_intra(qc, kc, vc, gc, bc, reset, *, sub: int, safe_gate: bool, solve: s
     mid = jnp.exp(mid)                                                     # [.., i, j, K]
     qt, kt = qc.reshape(*lead, nb, sub, K), kc.reshape(*lead, nb, sub, K)
     x_rows = jnp.stack([qt * row, kt * row], axis=-3)                      # [.., i, 2, r, K]
-    y_cols = mid[..., :, :, None, :] * (kt * col)[..., None, :, :, :]      # [.., i, j, s, K]
-    gram = _mm("...ixrk,...ijsk->...ixrjs", x_rows, y_cols)                # [.., i, 2, r, j, s]
+    k_col = kt * col
+    # tile row i only meets column tiles j ≤ i: one matmul per i over (i+1)·sub columns, the rest zero
+    gram = jnp.stack([jnp.pad(jnp.moveaxis(_mm("...jsk,...xrk->...jsxr",
+                                               mid[..., i, :i + 1, None, :] * k_col[..., :i + 1, :, :],
+                                               x_rows[..., i, :, :, :]), (-4, -3), (-2, -1)),
+                              [(0, 0)] * (len(lead) + 2) + [(0, nb - 1 - i), (0, 0)])
+                      for i in range(nb)], axis=-5)                        # [.., i, 2, r, j, s]
     if not safe_gate:
         dec = jnp.exp(jnp.minimum(bt[..., :, None, :] - bt[..., None, :, :], 0.0))  # [.., i, r, s, K]
         diag = jnp.einsum("...ixrk,...isk,...irsk->...ixrs", jnp.stack([qt, kt], axis=-3), kt, dec,
@@ -457,25 +462,15 @@ def _fused_forward(cfg, xs, S0):
     B, Tp, H = xs[4].shape
     nblk = Tp // (cfg.bc * cfg.n)
 
-    def chunk_states(S, intra):
-        a_qk, u0, w, q_dec, k_rest, decay = intra
-        S_in, U = [], []
-        for j in range(cfg.bc):
-            S_in.append(S)
-            U.append(u0[j] - _mm("gnk,gkv->gnv", w[j], S))
-            S = decay[j][..., None] * S + _mm("gkn,gnv->gkv", k_rest[j], U[j])
-        S_in, U = jnp.stack(S_in), jnp.stack(U)
-        return S, _mm("cgnk,cgkv->cgnv", q_dec, S_in) + _mm("cgns,cgsv->cgnv", a_qk, U)
-
-    def intra_of(i):
-        a_qk, u0, w, q_dec, k_rest, decay = _block_intra(cfg, _block_in(cfg, xs, i))
-        return a_qk, u0, w, q_dec, jnp.swapaxes(k_rest, -1, -2), decay
-
     def step(carry, i):
         S, o = carry
-        S_start = S
-        S, ob = chunk_states(S, intra_of(i))
-        o = jax.lax.dynamic_update_slice_in_dim(o, _block_out(ob, B), i * cfg.bc * cfg.n, axis=1)
+        a_qk, u0, w, q_dec, k_rest, decay = _block_intra(cfg, _block_in(cfg, xs, i))
+        S_start, os = S, []
+        for j in range(cfg.bc):
+            U = u0[j] - _mm("gnk,gkv->gnv", w[j], S)
+            os.append(_mm("gnk,gkv->gnv", q_dec[j], S) + _mm("gns,gsv->gnv", a_qk[j], U))
+            S = decay[j][..., None] * S + _mm("gnk,gnv->gkv", k_rest[j], U)
+        o = jax.lax.dynamic_update_slice_in_dim(o, _block_out(jnp.stack(os), B), i * cfg.bc * cfg.n, axis=1)
         return (S, o), S_start
 
     o0 = jnp.zeros((B, Tp, H, xs[2].shape[-1]), cfg.dtype)
