@@ -9,7 +9,8 @@ forward. Every variant is measured against that same count, so a variant that do
 Reported: median of ``--reps`` runs after a warm-up, ratio to the FLOP-roofline time (FLOPs / fp32 GEMM FLOP/s
 measured in this run), and XLA's compiled temporary memory of the backward with the recomputing custom VJP vs
 ``jax.grad`` of the same forward storing its intermediates (``recompute=False``). ``--explore-T`` times each
-variant (chunk size, solve, cumsum, cross-chunk scan, recompute, the first version) at one length.
+variant (fused vs separate passes, block, chunk size, solve, cumsum, cross-chunk scan, recompute, the first
+version) at one length. Also recorded: the GEMM rate at the kernel's own matmul shapes (``kernel_gemm_flops``).
 """
 
 from __future__ import annotations
@@ -31,9 +32,12 @@ from k3jax.ops.kda import kda_chunked, kda_recurrent
 B, H, K, V, N = 1, 4, 128, 128, 64
 
 VARIANTS: dict[str, dict] = {
-    "default (chunk 64, sub 16, blocked solve, tiled cumsum, scan, recompute, block 64)": {},
-    "intra block 16 (chunk, head) pairs": {"block": 16},
-    "intra block 256": {"block": 256},
+    "default (fused scan over blocks of 16 (chunk, head) pairs, chunk 64, sub 16, blocked solve, tiled cumsum, "
+    "recompute)": {},
+    "fused, blocks of 8 pairs": {"block": 8},
+    "fused, blocks of 64 pairs": {"block": 64},
+    "separate passes (intra for all chunks, then a state scan, then outputs; blocks of 64 pairs)":
+        {"scan": "scan", "block": 64},
     "chunk 16": {"chunk_size": 16},
     "chunk 32": {"chunk_size": 32},
     "chunk 128": {"chunk_size": 128},
@@ -41,12 +45,33 @@ VARIANTS: dict[str, dict] = {
     "solve: row-by-row scan": {"solve": "rowscan"},
     "cumsum: jnp.cumsum": {"cumsum": "native"},
     "cumsum: triangular matmul": {"cumsum": "matmul"},
-    "scan: affine (M_c S + B_c)": {"scan": "affine"},
-    "scan: associative_scan": {"scan": "associative"},
+    "separate passes, state scan: affine (M_c S + B_c)": {"scan": "affine", "block": 64},
+    "separate passes, state scan: associative_scan": {"scan": "associative", "block": 64},
     "no recompute (jax.grad stores intermediates)": {"recompute": False},
     "diagonal tiles pairwise (unbounded-gate path)": {"safe_gate": False},
     "first version (before issue 7)": {"v0": True},
 }
+
+# The matmul shapes the kernel is made of at B·H = 4, K = V = 128, n = 64 (batched over the 4 heads): its state
+# terms (W·S, Q·S, K̃ᵀ·U) and in-chunk products. Their measured rate is the ceiling for this kernel on this backend.
+KERNEL_GEMMS = {"[4×64×128]·[4×128×128] (W·S, Q·S)": (4, 64, 128, 128),
+                "[4×128×64]·[4×64×128] (K̃ᵀ·U)": (4, 128, 64, 128),
+                "[16×64×64]·[16×64×128] (A·U, solve)": (16, 64, 64, 128)}
+
+
+def kernel_gemm_rates(reps: int = 5, steps: int = 64) -> dict[str, float]:
+    """FLOP/s of each ``KERNEL_GEMMS`` batched matmul, fp32 at ``Precision.HIGHEST``, run ``steps`` times in
+    sequence inside one jitted loop and summed (as the kernel runs them: one dispatch, no sequence-sized output);
+    median of ``reps``."""
+    out = {}
+    r = np.random.default_rng(0)
+    for name, (b, m, k, n) in KERNEL_GEMMS.items():
+        x = jnp.asarray(r.normal(size=(steps, b, m, k)), jnp.float32)
+        y = jnp.asarray(r.normal(size=(b, k, n)), jnp.float32)
+        f = jax.jit(lambda x, y: jax.lax.fori_loop(0, steps, lambda i, acc: acc + jnp.einsum(
+            "bmk,bkn->bmn", x[i], y, precision=jax.lax.Precision.HIGHEST), jnp.zeros((b, m, n), jnp.float32)))
+        out[name] = 2 * steps * b * m * k * n / timed(f, x, y, reps=reps)
+    return out
 
 
 def flops_forward(T: int, n: int = N) -> float:
@@ -132,6 +157,9 @@ def main(argv: list[str] | None = None) -> dict:
     res = {"benchmark": "kda", **m, "shape": {"B": B, "H": H, "K": K, "V": V, "chunk": N}, "dtype": "float32",
            "flops_note": "FLOPs of the chunked algorithm at n=64 for every row; fwd+bwd = 3x forward",
            "rows": [], "variants": []}
+    res["kernel_gemm_flops"] = kernel_gemm_rates()
+    print("GEMM rate at the kernel's shapes: " + ", ".join(f"{k} {v / 1e9:.0f} GFLOP/s"
+                                                          for k, v in res["kernel_gemm_flops"].items()), flush=True)
     fwd, grad = kernels()
     _, grad_stored = kernels(recompute=False)
     recurrent = jax.jit(lambda *x: kda_recurrent(*x)[0])

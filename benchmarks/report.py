@@ -113,6 +113,13 @@ def t_kda(r: dict) -> str:
                         "bf16 fwd ms", "recurrent fwd ms", "recurrent fwd+bwd ms", "speedup vs recurrent fwd",
                         "speedup vs recurrent fwd+bwd", "fla naive chunk fwd ms", "speedup vs fla (fwd)",
                         "fwd temp MiB", "fwd+bwd temp MiB (recompute)", "fwd+bwd temp MiB (jax.grad)"], rows)
+    if r.get("kernel_gemm_flops"):
+        peak = r.get("gemm_flops_fp32")
+        out += ("\n\nGEMM rate at the kernel's own matmul shapes (fp32, HIGHEST, batched over heads), against the "
+                "square GEMM of the roofline:\n\n"
+                + table(["matmul", "GFLOP/s", "share of roofline GEMM"],
+                        [[k, num(v, ",.1f", 1e-9), pct(v / peak if peak else None)]
+                         for k, v in r["kernel_gemm_flops"].items()]))
     if r.get("variants"):
         vrows = [[v.get("variant"), ms(v.get("forward_s")), times(v.get("forward_vs_roofline")), ms(v.get("fwd_bwd_s")),
                   times(v.get("fwd_bwd_vs_roofline")), mib(v.get("temp_bytes_grad"))] for v in r["variants"]]
