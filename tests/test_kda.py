@@ -221,7 +221,11 @@ def test_bfloat16_inputs_stay_within_1e2_of_float32(rng):
         assert a.dtype == jnp.bfloat16 and rel(a.astype(jnp.float32), b) <= 1e-2, name
 
 
-def test_safe_gate_sub_chunk_limit_is_named():
+def test_bad_settings_are_named():
     z = jnp.zeros((1, 64, 1, 8))
     with pytest.raises(ValueError, match=r"safe_gate needs sub_chunk ≤ 16"):
         kda_chunked(z, z, z, z, jnp.zeros((1, 64, 1)), safe_gate=True, sub_chunk=32)
+    with pytest.raises(ValueError, match=r"scan must be one of \('fused', 'scan', 'affine', 'associative'\)"):
+        kda_chunked(z, z, z, z, jnp.zeros((1, 64, 1)), scan="parallel")
+    with pytest.raises(ValueError, match=r"block must be ≥ 1"):
+        kda_chunked(z, z, z, z, jnp.zeros((1, 64, 1)), block=0)

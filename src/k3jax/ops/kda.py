@@ -559,8 +559,8 @@ def kda_chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: ja
                 scale: float | None = None, initial_state: jax.Array | None = None,
                 output_final_state: bool = False, chunk_size: int = 64, sub_chunk: int = 16,
                 safe_gate: bool = False, reset: jax.Array | None = None, *, solve: str = "blocked",
-                cumsum: str = "tiled", scan: str = "fused", recompute: bool = True,
-                block: int = 16) -> tuple[jax.Array, jax.Array | None]:
+                cumsum: str = "tiled", scan: str | None = None, recompute: bool = True,
+                block: int | None = None) -> tuple[jax.Array, jax.Array | None]:
     """Chunked KDA (spec §4.3), mathematically identical to :func:`kda_recurrent`; fp32 internals.
 
     Per chunk of n tokens with incoming state S₀ and in-chunk cumulative log decay ``b_r = Σ_{s≤r} g_s``::
@@ -570,18 +570,24 @@ def kda_chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: ja
         o_r = (q_r ⊙ e^{b_r})ᵀ S₀ + Σ_{s≤r} (Σ_j q_r[j] k_s[j] e^{b_r[j]−b_s[j]}) u_s
         S_n = Diag(e^{b_n}) S₀ + Σ_s (k_s ⊙ e^{b_n−b_s}) u_sᵀ
 
-    Everything but the state recurrence is computed for all chunks at once (tiles of ``sub_chunk``, see
-    ``_kda_intra``; the unit-triangular solve by blocked forward substitution); a ``lax.scan`` across chunks then
-    carries S with two matmuls per chunk, and the outputs are one batched matmul pair. ``safe_gate=True``
-    asserts every ``g ≥ −5`` (K3's lower-bound gate) and lets the diagonal tiles factor their exponentials too
-    (needs ``sub_chunk ≤ 16``); leave it False for an unbounded (softplus) gate. T need not be a multiple of
-    ``chunk_size`` (zero padding leaves state and outputs exact).
+    ``scan=None`` picks ``"fused"`` on CPU and ``"scan"`` on accelerators (where one intra pass over every chunk at
+    once keeps the device busy; measured on an H200 before the fused path existed); ``block=None`` picks 16 pairs
+    for ``"fused"`` and 1024 otherwise. ``scan="fused"``: one ``lax.scan`` over blocks of chunks. Each step reads one block of q, k, v, g, β
+    straight from their ``[B, T, H, ·]`` layout (no sequence-sized transpose, cast or intermediate), runs the
+    intra-chunk pass for all its (chunk, head) pairs at once (16-row tiles, see ``_kda_intra``; the unit-triangular
+    solve by blocked forward substitution), then carries S through the block's chunks with two matmuls each and
+    writes their outputs. ``block`` is the number of (chunk, head) pairs per step (``max(1, block // (B·H))``
+    chunks). ``scan="scan"`` runs separate passes instead — the intra pass for all chunks (``lax.map`` in blocks
+    of ``block`` pairs), one state scan, one batched output pass — and ``"affine"`` / ``"associative"`` replace
+    its state scan (benchmarked in ``benchmarks/kda.py``). ``safe_gate=True`` asserts every ``g ≥ −5`` (K3's
+    lower-bound gate) and lets the diagonal tiles factor their exponentials too (needs ``sub_chunk ≤ 16``); leave
+    it False for an unbounded (softplus) gate. T need not be a multiple of ``chunk_size`` (zero padding leaves
+    state and outputs exact).
 
-    ``recompute=True`` (default) differentiates with a custom VJP that keeps only the inputs and recomputes the
-    per-chunk intermediates in the backward pass; ``False`` lets ``jax.grad`` store them. The intra-chunk pass
-    runs over ``block`` (chunk, head) pairs at a time (``lax.map``), which bounds its temporary memory. ``solve``, ``cumsum``
-    (``tiled``/``native``/``matmul``) and ``scan`` (``scan``/``affine``/``associative``) select variants benchmarked in
-    ``benchmarks/kda.py``.
+    ``recompute=True`` (default) differentiates with a custom VJP that keeps only the inputs (and, fused, the state
+    entering each block) and recomputes the per-chunk intermediates block by block in the backward pass;
+    ``False`` lets ``jax.grad`` store them. ``solve`` and ``cumsum`` (``tiled``/``native``/``matmul``) select
+    variants benchmarked in ``benchmarks/kda.py``.
 
     ``reset [B, T]`` (bool) zeroes the state before each marked token (packed documents): pairs of tokens from
     different documents are masked out of A and of the in-chunk attention, rows after a reset do not read S₀, and
@@ -608,6 +614,10 @@ def kda_chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: ja
         x = jnp.moveaxis(x.reshape(B, C, n, H, *x.shape[3:]), (1, 3), (0, 2))  # [C, B, H, n, ...]
         return x.reshape(C, B * H, n, *x.shape[4:])
 
+    if scan is None:
+        scan = "fused" if jax.default_backend() == "cpu" else "scan"
+    if block is None:
+        block = 16 if scan == "fused" else 1024
     if block < 1:
         raise ValueError(f"kda_chunked: block must be ≥ 1 (chunk·head pairs per intra-chunk block); got {block}")
     if scan not in SCANS:
