@@ -165,14 +165,15 @@ def test_chunked_variants_match_recurrent(rng, kw):
     assert rel(o, o_ref) <= 1e-5 and rel(s, s_ref) <= 1e-5
 
 
-@pytest.mark.parametrize("kw", [dict(block=5), dict(block=8), dict(scan="scan", block=5)])
-@pytest.mark.parametrize("recompute", [True, False])
+@pytest.mark.parametrize("recompute,kw", [(True, dict(block=5)), (False, dict(block=5)), (True, dict(block=8)),
+                                          (True, dict(scan="scan", block=5))])
 @pytest.mark.parametrize("gate", ["lower_bound", "softplus"])
 def test_gradients_with_resets_match_recurrent(rng, gate, recompute, kw):
     """The recomputing custom VJP (and plain autodiff of the same forward) equal ``jax.grad`` of the token scan,
     with packed-document resets and cotangents on both the outputs and the final state. 4 heads·batch and 3
     chunks: ``block=5`` runs the fused scan one chunk per step, ``block=8`` two (the 3 chunks padded to 4), and
-    ``scan="scan"`` the separate-pass path (intra pass in blocks of 5 (chunk, head) pairs)."""
+    ``scan="scan"`` the separate-pass path (intra pass in blocks of 5 (chunk, head) pairs); plain autodiff
+    (``recompute=False``) is checked on the fused path."""
     q, k, v, g, beta, s0 = make_inputs(rng, 90, gate, init=True, H=2)
     reset = jnp.zeros((2, 90), bool).at[0, 30].set(True).at[1, 64].set(True)
     w = jnp.asarray(rng.normal(size=v.shape), jnp.float32)
