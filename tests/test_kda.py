@@ -89,6 +89,16 @@ def test_chunked_in_float64_is_exact(rng, x64):
     assert o.dtype == jnp.float64
     assert rel(o, o_ref) <= 1e-12 and rel(s, s_ref) <= 1e-12
 
+    def loss(fn, *a):  # cotangents on both the outputs and the final state, in float64 throughout
+        o, s = fn(*a[:5], initial_state=a[5], output_final_state=True)
+        return jnp.sum(o * o) + jnp.sum(s * s)
+
+    chunked = lambda *a, **kw: kda_chunked(*a, **kw, safe_gate=True)  # noqa: E731
+    g_ref = jax.grad(lambda *a: loss(kda_recurrent, *a), argnums=tuple(range(6)))(q, k, v, g, beta, s0)
+    g_chk = jax.grad(lambda *a: loss(chunked, *a), argnums=tuple(range(6)))(q, k, v, g, beta, s0)
+    for name, a, b in zip("q k v g beta s0".split(), g_chk, g_ref):
+        assert a.dtype == jnp.float64 and rel(a, b) <= 1e-10, name
+
 
 @pytest.mark.parametrize("gate", ["lower_bound", "softplus"])
 def test_gradients_agree(rng, gate):

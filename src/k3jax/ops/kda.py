@@ -527,7 +527,7 @@ def _kda_fused_bwd(cfg, res, cts):
                       for buf, x in zip(grads, (dq, dk, dv, dg, db)))
         return (dS, grads), None
 
-    dS_last = jnp.zeros_like(S_starts[0]) if dS_final is None else dS_final.astype(jnp.float32)
+    dS_last = jnp.zeros_like(S_starts[0]) if dS_final is None else dS_final.astype(S_starts.dtype)
     zeros = tuple(jnp.zeros(x.shape, x.dtype) for x in xs[:5])
     (dS0, grads), _ = jax.lax.scan(step, (dS_last, zeros), jnp.arange(S_starts.shape[0]), reverse=True)
     return (*grads, None, dS0)
@@ -572,17 +572,17 @@ def kda_chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: ja
 
     ``scan=None`` picks ``"fused"`` on CPU and ``"scan"`` on accelerators (where one intra pass over every chunk at
     once keeps the device busy; measured on an H200 before the fused path existed); ``block=None`` picks 16 pairs
-    for ``"fused"`` and 1024 otherwise. ``scan="fused"``: one ``lax.scan`` over blocks of chunks. Each step reads one block of q, k, v, g, β
-    straight from their ``[B, T, H, ·]`` layout (no sequence-sized transpose, cast or intermediate), runs the
-    intra-chunk pass for all its (chunk, head) pairs at once (16-row tiles, see ``_kda_intra``; the unit-triangular
-    solve by blocked forward substitution), then carries S through the block's chunks with two matmuls each and
-    writes their outputs. ``block`` is the number of (chunk, head) pairs per step (``max(1, block // (B·H))``
-    chunks). ``scan="scan"`` runs separate passes instead — the intra pass for all chunks (``lax.map`` in blocks
-    of ``block`` pairs), one state scan, one batched output pass — and ``"affine"`` / ``"associative"`` replace
-    its state scan (benchmarked in ``benchmarks/kda.py``). ``safe_gate=True`` asserts every ``g ≥ −5`` (K3's
-    lower-bound gate) and lets the diagonal tiles factor their exponentials too (needs ``sub_chunk ≤ 16``); leave
-    it False for an unbounded (softplus) gate. T need not be a multiple of ``chunk_size`` (zero padding leaves
-    state and outputs exact).
+    for ``"fused"`` and 1024 otherwise. ``scan="fused"``: one ``lax.scan`` over blocks of chunks. Each step reads
+    one block of q, k, v, g, β straight from their ``[B, T, H, ·]`` layout (no sequence-sized transpose, cast or
+    intermediate), runs the intra-chunk pass for all its (chunk, head) pairs at once (16-row tiles, see
+    ``_kda_intra``; the unit-triangular solve by blocked forward substitution), then carries S through the block's
+    chunks with two matmuls each and writes their outputs. ``block`` is the number of (chunk, head) pairs per step
+    (``max(1, block // (B·H))`` chunks). ``scan="scan"`` runs separate passes instead — the intra pass for all
+    chunks (``lax.map`` in blocks of ``block`` pairs), one state scan, one batched output pass — and ``"affine"`` /
+    ``"associative"`` replace its state scan (benchmarked in ``benchmarks/kda.py``). ``safe_gate=True`` asserts
+    every ``g ≥ −5`` (K3's lower-bound gate) and lets the diagonal tiles factor their exponentials too (needs
+    ``sub_chunk ≤ 16``); leave it False for an unbounded (softplus) gate. T need not be a multiple of ``chunk_size``
+    (zero padding leaves state and outputs exact).
 
     ``recompute=True`` (default) differentiates with a custom VJP that keeps only the inputs (and, fused, the state
     entering each block) and recomputes the per-chunk intermediates block by block in the backward pass;
