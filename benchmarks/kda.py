@@ -27,7 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.roofline import machine
-from k3jax.ops.kda import kda_chunked, kda_recurrent
+from k3jax.ops.kda import kda_recurrent
+from k3jax.ops.kda_chunked import kda_chunked
 
 B, H, K, V, N = 1, 4, 128, 128, 64
 

@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k3jax.ops.kda import (causal_conv1d, kda_chunked, kda_gate_lower_bound, kda_gate_softplus, kda_recurrent,
-                           kda_step)
+from k3jax.ops.kda import causal_conv1d, kda_gate_lower_bound, kda_gate_softplus, kda_recurrent, kda_step
+from k3jax.ops.kda_chunked import kda_chunked
 from k3jax.ops.norm import l2_norm
 
 
@@ -203,7 +203,7 @@ def test_gradients_with_resets_match_recurrent(rng, gate, recompute, kw):
 
 @pytest.mark.parametrize("method", ["blocked", "neumann", "rowscan"])
 def test_unit_lower_solve_matches_numpy(rng, method):
-    from k3jax.ops.kda import solve_unit_lower
+    from k3jax.ops.kda_chunked import solve_unit_lower
 
     a = np.tril(rng.normal(size=(3, 64, 64)) * 0.15, -1).astype(np.float32)
     r = rng.normal(size=(3, 64, 20)).astype(np.float32)

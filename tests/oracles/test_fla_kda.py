@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k3jax.ops.kda import kda_chunked, kda_recurrent, kda_step
+from k3jax.ops.kda import kda_recurrent, kda_step
+from k3jax.ops.kda_chunked import kda_chunked
 
 pytestmark = pytest.mark.oracle
 torch = pytest.importorskip("torch", reason="oracle extra (torch) not installed: pip install -e '.[test]'")

@@ -10,8 +10,8 @@ from flax import nnx
 
 from k3jax.config import K3Config
 from k3jax.nn.layers import KeyGen, Proj
-from k3jax.ops.kda import (causal_conv1d, kda_chunked, kda_gate_lower_bound, kda_gate_softplus, kda_recurrent,
-                           kda_step)
+from k3jax.ops.kda import causal_conv1d, kda_gate_lower_bound, kda_gate_softplus, kda_recurrent, kda_step
+from k3jax.ops.kda_chunked import kda_chunked
 from k3jax.ops.norm import gated_rms_norm, l2_norm
 from k3jax.ops.precision import acc_dtype
 
