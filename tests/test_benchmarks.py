@@ -184,3 +184,12 @@ def test_model_mfu_bookkeeping_reuses_the_training_step(monkeypatch, tmp_path):
 
     f = flops_per_token(K3Config.from_preset("test"), train_seq=16)
     assert f["training"] == 3 * f["forward"] > 0              # the forward/prefill rows use f["forward"]
+
+
+def test_report_shows_kernel_gemm_rates_against_the_roofline(tmp_path):
+    rec = kda_record()
+    rec["kernel_gemm_flops"] = {"[4×64×128]·[4×128×128] (W·S, Q·S)": 5.0e10}   # a quarter of MACHINE's 2e11
+    (tmp_path / "results_kda.json").write_text(json.dumps(rec))
+    text = report.render(tmp_path)
+    assert "GEMM rate at the kernel's own matmul shapes" in text
+    assert "| [4×64×128]·[4×128×128] (W·S, Q·S) | 50.0 | 25.00% |" in text
