@@ -3,14 +3,17 @@
     .venv/bin/python -m benchmarks.kda [--T 1024 4096 16384] [--explore-T 4096] [--reps 3] [--no-fla] [--json out.json]
 
 Shapes B=1, H=4, K=V=128, lower-bound gate (K3), fp32 (plus one bf16-input row). FLOPs are counted once, from the
-chunked algorithm at n=64 (per chunk and head: decayed K·Kᵀ 2n²K, unit-triangular solve on [V | K̃] n²(V+K),
-in-chunk Q·Kᵀ 2n²K and P·U 2n²V, the state terms K̃S₀, QS₀ and the state update 6nKV); forward+backward = 3×
-forward. Every variant is measured against that same count, so a variant that does more work is not rewarded.
+chunked algorithm at the reference chunk n=64 (fla's, and k3jax's on accelerators; per chunk and head: decayed K·Kᵀ
+2n²K, unit-triangular solve on [V | K̃] n²(V+K), in-chunk Q·Kᵀ 2n²K and P·U 2n²V, the state terms K̃S₀, QS₀ and the
+state update 6nKV); forward+backward = 3× forward. Every variant is measured against that same count, so a
+variant that does more work is not rewarded (one that does less, like a smaller chunk, is). The default chunk on
+CPU is 32, which does 0.8× the reference work per token; ``own_flops_*`` ratios count its own FLOPs instead.
 Reported: median of ``--reps`` runs after a warm-up, ratio to the FLOP-roofline time (FLOPs / fp32 GEMM FLOP/s
 measured in this run), and XLA's compiled temporary memory of the backward with the recomputing custom VJP vs
 ``jax.grad`` of the same forward storing its intermediates (``recompute=False``). ``--explore-T`` times each
-variant (fused vs separate passes, block, chunk size, solve, cumsum, cross-chunk scan, recompute, the first
-version) at one length. Also recorded: the GEMM rate at the kernel's own matmul shapes (``kernel_gemm_flops``).
+variant (fused vs separate passes, block, chunk size, solve, cumsum, cross-chunk scan, recompute, the hand-written
+intra-chunk VJP vs autodiff, the first version) at one length. Also recorded: the GEMM rate at the kernel's own
+matmul shapes (``kernel_gemm_flops``).
 """
 
 from __future__ import annotations
@@ -32,18 +35,29 @@ from k3jax.ops.kda_chunked import kda_chunked
 
 B, H, K, V, N = 1, 4, 128, 128, 64
 
+
+def default_chunk() -> int:
+    """The chunk ``kda_chunked`` runs by default on this backend (32 on CPU, 64 elsewhere)."""
+    return 32 if jax.default_backend() == "cpu" else 64
+
+
 VARIANTS: dict[str, dict] = {
-    "default (fused scan over blocks of 16 (chunk, head) pairs, chunk 64, sub 16, blocked solve, tiled cumsum, "
-    "recompute)": {},
+    "default (fused scan over blocks of 16 (chunk, head) pairs, chunk 32 on CPU / 64 elsewhere, sub 16, blocked "
+    "inverse, tiled cumsum, hand-written intra VJP, recompute)": {},
+    "chunk 16": {"chunk_size": 16},
+    "chunk 32": {"chunk_size": 32},
+    "chunk 64": {"chunk_size": 64},
+    "chunk 128": {"chunk_size": 128},
     "fused, blocks of 8 pairs": {"block": 8},
     "fused, blocks of 64 pairs": {"block": 64},
     "separate passes (intra for all chunks, then a state scan, then outputs; blocks of 64 pairs)":
         {"scan": "scan", "block": 64},
-    "chunk 16": {"chunk_size": 16},
-    "chunk 32": {"chunk_size": 32},
-    "chunk 128": {"chunk_size": 128},
-    "solve: Neumann doubling": {"solve": "neumann"},
-    "solve: row-by-row scan": {"solve": "rowscan"},
+    "intra-chunk VJP by jax.vjp (autodiff) instead of the hand-written one": {"intra_vjp": "autodiff"},
+    "chunk 64, intra VJP by autodiff (the structure of the previous default)": {"chunk_size": 64,
+                                                                                 "intra_vjp": "autodiff"},
+    "inverse: Neumann doubling": {"solve": "neumann"},
+    "inverse: LAPACK triangular_solve": {"solve": "triangular_solve"},
+    "inverse: row-by-row scan": {"solve": "rowscan"},
     "cumsum: jnp.cumsum": {"cumsum": "native"},
     "cumsum: triangular matmul": {"cumsum": "matmul"},
     "separate passes, state scan: affine (M_c S + B_c)": {"scan": "affine", "block": 64},
@@ -53,26 +67,41 @@ VARIANTS: dict[str, dict] = {
     "first version (before issue 7)": {"v0": True},
 }
 
-# The matmul shapes the kernel is made of at B·H = 4, K = V = 128, n = 64 (batched over the 4 heads): its state
-# terms (W·S, Q·S, K̃ᵀ·U) and in-chunk products. Their measured rate is the ceiling for this kernel on this backend.
-KERNEL_GEMMS = {"[4×64×128]·[4×128×128] (W·S, Q·S)": (4, 64, 128, 128),
-                "[4×128×64]·[4×64×128] (K̃ᵀ·U)": (4, 128, 64, 128),
-                "[16×64×64]·[16×64×128] (A·U, solve)": (16, 64, 64, 128)}
+
+def kernel_gemms(n: int) -> dict[str, tuple[str, tuple, tuple]]:
+    """The matmuls the default kernel is made of at B·H = 4, K = V = 128, chunk n, as ``(einsum, lhs, rhs)``:
+    the state terms inside the sequential loop (batched over the 4 heads; K̃ᵀ·U contracts over the n rows of a
+    chunk) and the intra-chunk products (batched over a block of 16 (chunk, head) pairs). Their measured rate is
+    the ceiling for this kernel on this backend."""
+    t, P = 16, 16
+    return {f"[4×{n}×128]·[4×128×128] (W·S, Q·S)": ("gnk,gkv->gnv", (4, n, K), (4, K, V)),
+            f"[4×{n}×128]ᵀ·[4×{n}×128] (K̃ᵀ·U)": ("gnk,gnv->gkv", (4, n, K), (4, n, V)),
+            f"[4×{n}×{n}]·[4×{n}×128] (A·U)": ("gns,gsv->gnv", (4, n, n), (4, n, V)),
+            f"[16×32×128]·[16×{n}×128]ᵀ (Gram tile row, last)": ("prk,psk->prs", (P, 2 * t, K), (P, n, K)),
+            f"[16×16×{n}]·[16×{n}×256] (T·[V | K̃], last row block)": ("prs,psm->prm", (P, t, n), (P, n, V + K))}
 
 
-def kernel_gemm_rates(reps: int = 5, steps: int = 64) -> dict[str, float]:
-    """FLOP/s of each ``KERNEL_GEMMS`` batched matmul, fp32 at ``Precision.HIGHEST``, run ``steps`` times in
+def kernel_gemm_rates(n: int, reps: int = 5, steps: int = 64) -> dict[str, float]:
+    """FLOP/s of each ``kernel_gemms(n)`` batched matmul, fp32 at ``Precision.HIGHEST``, run ``steps`` times in
     sequence inside one jitted loop and summed (as the kernel runs them: one dispatch, no sequence-sized output);
     median of ``reps``."""
     out = {}
     r = np.random.default_rng(0)
-    for name, (b, m, k, n) in KERNEL_GEMMS.items():
-        x = jnp.asarray(r.normal(size=(steps, b, m, k)), jnp.float32)
-        y = jnp.asarray(r.normal(size=(b, k, n)), jnp.float32)
-        f = jax.jit(lambda x, y: jax.lax.fori_loop(0, steps, lambda i, acc: acc + jnp.einsum(
-            "bmk,bkn->bmn", x[i], y, precision=jax.lax.Precision.HIGHEST), jnp.zeros((b, m, n), jnp.float32)))
-        out[name] = 2 * steps * b * m * k * n / timed(f, x, y, reps=reps)
+    for name, (spec, ls, rs) in kernel_gemms(n).items():
+        x = jnp.asarray(r.normal(size=(steps, *ls)), jnp.float32)
+        y = jnp.asarray(r.normal(size=rs), jnp.float32)
+        shape = jax.eval_shape(lambda a, b, s=spec: jnp.einsum(s, a, b), x[0], y).shape
+        f = jax.jit(lambda x, y, s=spec, sh=shape: jax.lax.fori_loop(0, steps, lambda i, acc: acc + jnp.einsum(
+            s, x[i], y, precision=jax.lax.Precision.HIGHEST), jnp.zeros(sh, jnp.float32)))
+        out[name] = float(2 * steps * np.prod(shape) * _contracted(spec, ls) / timed(f, x, y, reps=reps))
     return out
+
+
+def _contracted(spec: str, lhs_shape: tuple) -> int:
+    """Size of the contracted index of a two-operand einsum."""
+    ins, out = spec.split("->")
+    a, b = ins.split(",")
+    return int(np.prod([lhs_shape[a.index(c)] for c in a if c in b and c not in out]))
 
 
 def flops_forward(T: int, n: int = N) -> float:
@@ -155,10 +184,13 @@ def main(argv: list[str] | None = None) -> dict:
     a = ap.parse_args(argv)
     m = machine()
     peak = m["gemm_flops_fp32"]
-    res = {"benchmark": "kda", **m, "shape": {"B": B, "H": H, "K": K, "V": V, "chunk": N}, "dtype": "float32",
-           "flops_note": "FLOPs of the chunked algorithm at n=64 for every row; fwd+bwd = 3x forward",
+    n_run = default_chunk()
+    res = {"benchmark": "kda", **m, "shape": {"B": B, "H": H, "K": K, "V": V, "chunk": n_run, "flops_chunk": N},
+           "dtype": "float32",
+           "flops_note": f"FLOPs of the chunked algorithm at n={N} for every row (own_flops_*: at the default "
+                         f"chunk n={n_run}); fwd+bwd = 3x forward",
            "rows": [], "variants": []}
-    res["kernel_gemm_flops"] = kernel_gemm_rates()
+    res["kernel_gemm_flops"] = kernel_gemm_rates(n_run)
     print("GEMM rate at the kernel's shapes: " + ", ".join(f"{k} {v / 1e9:.0f} GFLOP/s"
                                                           for k, v in res["kernel_gemm_flops"].items()), flush=True)
     fwd, grad = kernels()
@@ -173,6 +205,10 @@ def main(argv: list[str] | None = None) -> dict:
         row["chunked_fwd_bwd_s"] = timed(grad, *x, reps=a.reps)
         row["forward_vs_roofline"] = row["chunked_forward_s"] / row["roofline_forward_s"]
         row["fwd_bwd_vs_roofline"] = row["chunked_fwd_bwd_s"] / row["roofline_fwd_bwd_s"]
+        own = flops_forward(T, n_run)
+        row["own_flops_forward"] = own
+        row["own_flops_forward_vs_roofline"] = row["chunked_forward_s"] / (own / peak)
+        row["own_flops_fwd_bwd_vs_roofline"] = row["chunked_fwd_bwd_s"] / (3 * own / peak)
         row["chunked_bf16_forward_s"] = timed(fwd, *[v.astype(jnp.bfloat16) for v in x], reps=a.reps)
         row["recurrent_forward_s"] = timed(recurrent, *x, reps=a.reps)
         row["chunked_speedup_vs_recurrent_forward"] = row["recurrent_forward_s"] / row["chunked_forward_s"]

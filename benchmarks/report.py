@@ -97,20 +97,22 @@ def t_kda(r: dict) -> str:
                                              "recurrent_fwd_bwd_s"))
         stored = x.get("temp_bytes_grad_stored")
         rows.append([x.get("T"), ms(cf), times(x.get("forward_vs_roofline")), ms(cb),
-                     times(x.get("fwd_bwd_vs_roofline")), ms(x.get("chunked_bf16_forward_s")), ms(rf), ms(rb),
+                     times(x.get("fwd_bwd_vs_roofline")), times(x.get("own_flops_forward_vs_roofline")),
+                     times(x.get("own_flops_fwd_bwd_vs_roofline")), ms(x.get("chunked_bf16_forward_s")), ms(rf), ms(rb),
                      times(x.get("chunked_speedup_vs_recurrent_forward")), times(rb / cb if rb and cb else None),
                      ms(x.get("fla_naive_chunk_forward_s")), times(x.get("chunked_speedup_vs_fla_naive")),
                      mib(x.get("temp_bytes_forward")), mib(x.get("temp_bytes_grad_recompute", x.get("temp_bytes_grad"))),
                      mib(stored)])
     s = r.get("shape", {})
+    fc = s.get("flops_chunk", 64)
     head = (f"Shapes B={s.get('B')}, H={s.get('H')}, K={s.get('K')}, V={s.get('V')}, chunk {s.get('chunk')}, "
             f"{r.get('dtype', 'float32')} (bf16 column: bf16 inputs, fp32 inside); times in ms (median); "
-            f"`× roofline` = time / (FLOPs of the chunked algorithm at n=64 / GEMM FLOP/s), fwd+bwd counted as 3× "
-            f"fwd; speedups = contender time / chunked time; temp MiB = XLA's compiled temporary memory of the "
+            f"`× roofline` = time / (FLOPs of the chunked algorithm at n={fc} / GEMM FLOP/s), fwd+bwd counted as 3× "
+            f"fwd; `own FLOPs` columns count the FLOPs of the chunk actually run (n={s.get('chunk')}); speedups = contender time / chunked time; temp MiB = XLA's compiled temporary memory of the "
             f"forward, of forward+backward with k3jax's recomputing custom VJP, and with `jax.grad` storing the "
             f"forward's intermediates.\n\n")
     out = head + table(["T", "chunked fwd ms", "fwd × roofline", "chunked fwd+bwd ms", "fwd+bwd × roofline",
-                        "bf16 fwd ms", "recurrent fwd ms", "recurrent fwd+bwd ms", "speedup vs recurrent fwd",
+                        "fwd × roofline (own FLOPs)", "fwd+bwd × roofline (own FLOPs)", "bf16 fwd ms", "recurrent fwd ms", "recurrent fwd+bwd ms", "speedup vs recurrent fwd",
                         "speedup vs recurrent fwd+bwd", "fla naive chunk fwd ms", "speedup vs fla (fwd)",
                         "fwd temp MiB", "fwd+bwd temp MiB (recompute)", "fwd+bwd temp MiB (jax.grad)"], rows)
     if r.get("kernel_gemm_flops"):

@@ -14,7 +14,7 @@ from k3jax.ops.kda import HIGHEST, _check, _mm
 from k3jax.ops.precision import acc_dtype
 
 
-SOLVES = ("blocked", "neumann", "rowscan")
+SOLVES = ("blocked", "neumann", "rowscan", "triangular_solve")
 SCANS = ("fused", "scan", "affine", "associative")
 
 
@@ -92,14 +92,73 @@ def _chunk_cumsum(g: jax.Array, how: str, sub: int = 16) -> jax.Array:
     return (inner + before).reshape(*lead, n, K)
 
 
-def _kda_intra(qc, kc, vc, gc, bc, reset, *, sub: int, safe_gate: bool, solve: str, cumsum: str):
-    """Everything that is parallel over chunks; inputs ``[N, n, ·]`` fp32 (N = batch·heads·chunks, q already
-    scaled), ``bc [N, n]``, ``reset [N, n]`` bool or None. Returns
+def unit_lower_inverse(a_strict: jax.Array, method: str = "blocked", block: int = 16) -> jax.Array:
+    """``T = (I + A)⁻¹`` for strictly lower-triangular ``A [..., n, n]`` (T is unit lower-triangular).
 
-    * ``a_qk [.., n, n]``: ``Σ_j q_r[j] k_s[j] e^{b_r[j] − b_s[j]}`` for s ≤ r (same document);
-    * ``u0, w``: ``(I + A)⁻¹ diag(β) [V | K̃]`` with ``A_rs = β_r Σ_j k_r[j] k_s[j] e^{b_r[j]−b_s[j]}`` (s < r),
-      ``K̃ = k ⊙ e^{b}`` (rows still reading the incoming state S₀);
-    * ``q_dec = q ⊙ e^{b}``, ``k_rest = k ⊙ e^{b_n − b}``, ``decay = e^{b_n}`` ``[.., K]``.
+    * ``blocked`` (default): the ``block × block`` diagonal blocks ``D_i⁻¹`` by Neumann doubling, then block row by
+      block row ``T_{i, <i} = −D_i⁻¹ (A_{i, <i} T_{<i, <i})`` — ``n/block − 1`` steps of two small matmuls;
+    * ``neumann``: the whole inverse by doubling; ``rowscan``: row-by-row substitution on the identity;
+      ``triangular_solve``: ``jax.lax.linalg.triangular_solve`` on the identity (LAPACK ``trsm`` on CPU).
+    """
+    n = a_strict.shape[-1]
+    if method in ("neumann", "rowscan", "triangular_solve"):
+        if method == "neumann":
+            return inverse_unit_lower_neumann(a_strict)
+        eye = jnp.broadcast_to(jnp.eye(n, dtype=a_strict.dtype), a_strict.shape)
+        if method == "triangular_solve":
+            return jax.lax.linalg.triangular_solve(a_strict + eye, eye, left_side=True, lower=True,
+                                                   unit_diagonal=True)
+        return solve_unit_lower(a_strict, eye, "rowscan")
+    if method != "blocked":
+        raise ValueError(f"kda_chunked: solve must be one of {SOLVES}, got {method!r}")
+    bl = min(block, n)
+    if n % bl:
+        raise ValueError(f"unit_lower_inverse: block={bl} must divide n={n}")
+    nb = n // bl
+    blk = lambda x, i, j: x[..., i * bl:(i + 1) * bl, j * bl:(j + 1) * bl]  # noqa: E731
+    d_inv = inverse_unit_lower_neumann(jnp.stack([blk(a_strict, i, i) for i in range(nb)], axis=-3))
+    t = d_inv[..., 0, :, :]                                                # T_{<1, <1}
+    for i in range(1, nb):
+        left = a_strict[..., i * bl:(i + 1) * bl, :i * bl]                 # A_{i, <i}
+        off = -_mm("...rs,...sc->...rc", d_inv[..., i, :, :], _mm("...rs,...sc->...rc", left, t))
+        top = jnp.concatenate([t, jnp.zeros((*t.shape[:-1], bl), t.dtype)], axis=-1)
+        t = jnp.concatenate([top, jnp.concatenate([off, d_inv[..., i, :, :]], axis=-1)], axis=-2)
+    return t
+
+
+def _tri_matmul(low: jax.Array, x: jax.Array, block: int, transpose: bool = False) -> jax.Array:
+    """``L x`` (or ``Lᵀ x``) for block lower-triangular ``L [P, n, n]``, ``x [P, n, m]``: one matmul per
+    ``block`` rows of the result over the blocks that can be non-zero (``(1 + … + nb)/nb²`` of the dense work)."""
+    n = low.shape[-1]
+    nb = n // block
+    out = []
+    for i in range(nb):
+        r = slice(i * block, (i + 1) * block)
+        if transpose:   # (Lᵀ x)_i = Σ_{j ≥ i} L_jiᵀ x_j
+            out.append(_mm("psr,psm->prm", low[:, i * block:, r], x[:, i * block:]))
+        else:           # (L x)_i = Σ_{j ≤ i} L_ij x_j
+            out.append(_mm("prs,psm->prm", low[:, r, :(i + 1) * block], x[:, :(i + 1) * block]))
+    return jnp.concatenate(out, axis=1)
+
+
+def _diag_decay(bt: jax.Array) -> jax.Array:
+    """Exact in-tile decays ``e^{min(b_r − b_s, 0)}`` ``[P, nb, t, t, K]`` (the unbounded-gate diagonal tiles;
+    entries above the diagonal are masked out by the callers)."""
+    return jnp.exp(jnp.minimum(bt[..., :, None, :] - bt[..., None, :, :], 0.0))
+
+
+def _intra_forward(q, k, v, g, beta, reset, *, sub: int, safe_gate: bool, solve: str, cumsum: str):
+    """Everything that is parallel over chunks, for a flat batch of (chunk, head) pairs: ``q, k, g [P, n, K]``
+    (q already scaled), ``v [P, n, V]``, ``beta [P, n]``, ``reset [P, n]`` bool or None. Returns
+    ``(outs, saved)`` with ``outs``:
+
+    * ``a_qk [P, n, n]``: ``Σ_j q_r[j] k_s[j] e^{b_r[j] − b_s[j]}`` for s ≤ r (same document), b = in-chunk cumsum g;
+    * ``u0, w``: ``T diag(β) [V | K̃]`` with ``T = (I + A)⁻¹``, ``A_rs = β_r Σ_j k_r[j] k_s[j] e^{b_r[j]−b_s[j]}``
+      (s < r) and ``K̃ = k ⊙ e^{b}`` (rows that still read the incoming state S₀);
+    * ``q_dec = q ⊙ e^{b}``, ``k_rest = k ⊙ e^{b_n − b}``, ``decay = e^{b_n}`` ``[P, K]``;
+
+    and ``saved`` the intermediates :func:`_intra_backward` needs (it is called right after a recompute, so they
+    are live only inside one block).
 
     Decayed Gram matrices are built from ``sub × sub`` tiles with three factors, each a bounded exponential:
     ``e^{b_r − b_s} = e^{b_r − c_i} · e^{c_i − e_j} · e^{e_j − b_s}`` for r in tile i, s in tile j, where ``c_i``
@@ -107,56 +166,128 @@ def _kda_intra(qc, kc, vc, gc, bc, reset, *, sub: int, safe_gate: bool, solve: s
     underflow only where the product does). For j = i the middle factor is ``e^{c_i − e_i} ≤ e^{5(sub−1)}`` with
     K3's bounded gate (g ≥ −5: e^{75} at sub = 16, finite in fp32), so diagonal tiles are dense matmuls too;
     with an unbounded gate (``safe_gate=False``) the diagonal tiles take the exact pairwise ``e^{b_r − b_s}``.
+    Row tile i meets column tiles j ≤ i only: one matmul ``X̂_i Ŷ_iᵀ`` per i, with ``X̂_i = [q; k]_i ⊙ e^{b − c_i}``
+    (2·sub rows) and ``Ŷ_i = k_{≤i} ⊙ e^{c_i − b}`` built as ``(k ⊙ e^{e_j − b}) ⊙ e^{c_i − e_j}``.
     """
-    *lead, n, K = kc.shape
-    nb = n // sub
-    a = kc.dtype
-    b = _chunk_cumsum(gc, cumsum, sub)                                          # [.., n, K]
-    bt = b.reshape(*lead, nb, sub, K)
-    c, e = bt[..., :1, :], bt[..., -1:, :]                                 # [.., nb, 1, K]
+    P, n, K = k.shape
+    V = v.shape[-1]
+    t = sub
+    nb = n // t
+    b = _chunk_cumsum(g, cumsum, t)                                           # [P, n, K]
+    bt = b.reshape(P, nb, t, K)
+    c, e = bt[:, :, :1], bt[:, :, -1:]                                     # [P, nb, 1, K]
     row = jnp.exp(bt - c)                                                  # e^{b_r − c_i} ∈ (0, 1]
     col = jnp.exp(e - bt)                                                  # e^{e_j − b_s} ∈ (0, 1]
     tile = jnp.arange(nb)
     keep = (tile[None, :] <= tile[:, None]) if safe_gate else (tile[None, :] < tile[:, None])  # [i, j]
-    mid = jnp.where(keep[..., None], c[..., :, None, 0, :] - e[..., None, :, 0, :], -jnp.inf)
-    mid = jnp.exp(mid)                                                     # [.., i, j, K]
-    qt, kt = qc.reshape(*lead, nb, sub, K), kc.reshape(*lead, nb, sub, K)
-    x_rows = jnp.stack([qt * row, kt * row], axis=-3)                      # [.., i, 2, r, K]
-    k_col = kt * col
-    # tile row i only meets column tiles j ≤ i: one matmul per i over (i+1)·sub columns, the rest zero
-    gram = jnp.stack([jnp.pad(jnp.moveaxis(_mm("...jsk,...xrk->...jsxr",
-                                               mid[..., i, :i + 1, None, :] * k_col[..., :i + 1, :, :],
-                                               x_rows[..., i, :, :, :]), (-4, -3), (-2, -1)),
-                              [(0, 0)] * (len(lead) + 2) + [(0, nb - 1 - i), (0, 0)])
-                      for i in range(nb)], axis=-5)                        # [.., i, 2, r, j, s]
-    if not safe_gate:
-        dec = jnp.exp(jnp.minimum(bt[..., :, None, :] - bt[..., None, :, :], 0.0))  # [.., i, r, s, K]
-        diag = jnp.einsum("...ixrk,...isk,...irsk->...ixrs", jnp.stack([qt, kt], axis=-3), kt, dec,
-                          precision=HIGHEST)
-        eye_tiles = (tile[:, None] == tile[None, :])[:, None, None, :, None]  # [i, 1, 1, j, 1]
-        gram = gram + jnp.where(eye_tiles, diag[..., :, :, :, None, :], 0.0)
-    gram = jnp.moveaxis(gram, -4, -5).reshape(*lead, 2, n, n)
-    a_qk = jnp.where(_tril(n), gram[..., 0, :, :], 0.0)
-    a_kk = jnp.where(_tril(n, -1), gram[..., 1, :, :], 0.0) * bc[..., :, None]
-
-    ec = jnp.exp(c).reshape(*lead, nb, 1, K)                               # e^{c_i}
-    q_dec = (qt * row * ec).reshape(*lead, n, K)                           # q ⊙ e^{b}
-    k_dec = (kt * row * ec).reshape(*lead, n, K)                           # k ⊙ e^{b}
-    b_n = b[..., -1:, :]                                                   # [.., 1, K]
-    k_rest = (kt * col * jnp.exp(b_n[..., None, :, :] - e)).reshape(*lead, n, K)  # k ⊙ e^{b_n − b}
-    decay = jnp.exp(b_n[..., 0, :])                                        # [.., K]
+    mid = jnp.exp(jnp.where(keep[:, :, None], c[:, :, None, 0] - e[:, None, :, 0], -jnp.inf))  # [P, i, j, K]
+    qt, kt = q.reshape(P, nb, t, K), k.reshape(P, nb, t, K)
+    xs = jnp.concatenate([qt * row, kt * row], axis=2)                     # X̂: [P, nb, 2t, K]
+    kc = kt * col                                                          # [P, nb, t, K]
+    dec = None if safe_gate else _diag_decay(bt)
+    ys, grams = [], []
+    for i in range(nb):
+        m = i + 1 if safe_gate else i                                  # column tiles in the one matmul
+        parts = []
+        ys.append((mid[:, i, :m, None, :] * kc[:, :m]).reshape(P, m * t, K) if m else None)
+        if m:
+            parts.append(_mm("prk,psk->prs", xs[:, i], ys[i]))
+        if not safe_gate:
+            parts.append(jnp.einsum("pxrk,psk,prsk->pxrs", jnp.stack([qt[:, i], kt[:, i]], 1), kt[:, i],
+                                    dec[:, i], precision=HIGHEST).reshape(P, 2 * t, t))
+        if i < nb - 1:
+            parts.append(jnp.zeros((P, 2 * t, n - (i + 1) * t), xs.dtype))
+        grams.append(jnp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0])
+    gram = jnp.stack(grams, axis=1)                                    # [P, nb, 2t, n]
+    p_qk, p_kk = gram[:, :, :t].reshape(P, n, n), gram[:, :, t:].reshape(P, n, n)
+    m_qk, m_kk = _tril(n), _tril(n, -1)
+    ec = jnp.exp(c)                                                        # e^{c_i}
+    e_rest = col * jnp.exp(b[:, -1:, None, :] - e)                         # e^{b_n − b}
+    q_dec = (xs[:, :, :t] * ec).reshape(P, n, K)                           # q ⊙ e^{b}
+    k_dec = (xs[:, :, t:] * ec).reshape(P, n, K)                           # k ⊙ e^{b}
+    k_rest = (kt * e_rest).reshape(P, n, K)
+    decay = jnp.exp(b[:, -1])                                              # [P, K]
+    alive = last = None
     if reset is not None:
         seg = jnp.cumsum(reset.astype(jnp.int32), axis=-1)                 # document index inside the chunk
-        same = seg[..., :, None] == seg[..., None, :]
-        a_qk, a_kk = jnp.where(same, a_qk, 0.0), jnp.where(same, a_kk, 0.0)
-        alive = (seg == 0)[..., None].astype(a)                            # rows that still see S₀
-        q_dec, k_dec = q_dec * alive, k_dec * alive
-        k_rest = k_rest * (seg == seg[..., -1:])[..., None].astype(a)      # the chunk's last document only
-        decay = decay * alive[..., -1, :]
-    rhs = bc[..., None] * jnp.concatenate([vc, k_dec], axis=-1)            # diag(β) [V | K̃]
-    sol = solve_unit_lower(a_kk, rhs, solve, block=sub)
-    V = vc.shape[-1]
-    return a_qk, sol[..., :V], sol[..., V:], q_dec, k_rest, decay
+        same = seg[:, :, None] == seg[:, None, :]
+        m_qk, m_kk = m_qk & same, m_kk & same
+        alive = (seg == 0)[..., None].astype(q.dtype)                      # rows that still see S₀
+        last = (seg == seg[:, -1:])[..., None].astype(q.dtype)             # the chunk's last document
+        q_dec, k_dec, k_rest = q_dec * alive, k_dec * alive, k_rest * last
+        decay = decay * alive[:, -1]
+    a_qk = jnp.where(m_qk, p_qk, 0.0)
+    a_kk = jnp.where(m_kk, p_kk, 0.0) * beta[..., None]
+    tinv = unit_lower_inverse(a_kk, solve, t)
+    rhs = jnp.concatenate([v, k_dec], axis=-1)                             # [V | K̃]
+    x = _tri_matmul(tinv, beta[..., None] * rhs, t)                        # [U₀ | W]
+    saved = dict(row=row, col=col, mid=mid, ec=ec, e_rest=e_rest, xs=xs, kc=kc, ys=ys, dec=dec, qt=qt, kt=kt,
+                 p_kk=p_kk, m_qk=m_qk, m_kk=m_kk, alive=alive, last=last, tinv=tinv, rhs=rhs, x=x, beta=beta,
+                 q_dec=q_dec, k_dec=k_dec, k_rest=k_rest, decay=decay, cumsum=cumsum, safe_gate=safe_gate)
+    return (a_qk, x[..., :V], x[..., V:], q_dec, k_rest, decay), saved
+
+
+def _reverse_cumsum(x: jax.Array, how: str, sub: int) -> jax.Array:
+    """``y_r = Σ_{r' ≥ r} x_{r'}`` over axis −2 (the transpose of :func:`_chunk_cumsum`)."""
+    return jnp.sum(x, axis=-2, keepdims=True) - _chunk_cumsum(x, how, sub) + x
+
+
+def _intra_backward(s: dict, cts) -> tuple[jax.Array, ...]:
+    """VJP of :func:`_intra_forward` from its ``saved`` intermediates: cotangents of ``(a_qk, u0, w, q_dec, k_rest,
+    decay)`` in, ``(dq, dk, dv, dg, dβ)`` out.
+
+    Solve: ``dR = Tᵀ [dU₀ | dW]``, ``dA = −dR [U₀ | W]ᵀ`` (strictly lower). Each decayed Gram
+    ``P_rs = Σ_j x_r[j] y_s[j] e^{b_r[j] − b_s[j]}`` pulls back through the same tiles as the forward
+    (``dX̂_i = dP_i Ŷ_i``, ``dŶ_i = dP_iᵀ X̂_i``), and its log-decay gradient needs no exponential of its own:
+    ``∂P_rs/∂b_r = −∂P_rs/∂b_s = x_r y_s e^{…}``, so ``db = x ⊙ dx − y ⊙ dy`` (likewise ``db = z ⊙ dz`` for
+    ``z = x ⊙ e^{±b}``). ``dg`` is the reverse cumulative sum of ``db``.
+    """
+    d_aqk, d_u0, d_w, d_qdec, d_krest, d_decay = cts
+    row, col, mid, xs, kc, qt, kt = (s[n] for n in ("row", "col", "mid", "xs", "kc", "qt", "kt"))
+    beta, tinv, x, rhs = s["beta"], s["tinv"], s["x"], s["rhs"]
+    P, nb, t, K = kt.shape
+    n, V = nb * t, d_u0.shape[-1]
+    dr = _tri_matmul(tinv, jnp.concatenate([d_u0, d_w], axis=-1), t, transpose=True)   # Tᵀ dX
+    d_akk = jnp.where(s["m_kk"], -_mm("prm,psm->prs", dr, x), 0.0)
+    dbeta = jnp.sum(dr * rhs, axis=-1) + jnp.sum(d_akk * s["p_kk"], axis=-1)
+    d_rhs = beta[..., None] * dr
+    dv, d_kdec = d_rhs[..., :V], d_rhs[..., V:]
+    dp = jnp.concatenate([jnp.where(s["m_qk"], d_aqk, 0.0).reshape(P, nb, t, n),
+                          (d_akk * beta[..., None]).reshape(P, nb, t, n)], axis=2)  # [P, nb, 2t, n]
+    dxs, dkc = [], [jnp.zeros((P, t, K), kt.dtype) for _ in range(nb)]
+    for i in range(nb):
+        m = i + 1 if s["safe_gate"] else i
+        dx_i = jnp.zeros((P, 2 * t, K), kt.dtype)
+        if m:
+            dpi = dp[:, i, :, :m * t]
+            dx_i = _mm("prs,psk->prk", dpi, s["ys"][i])
+            dy = _mm("prs,prk->psk", dpi, xs[:, i]).reshape(P, m, t, K) * mid[:, i, :m, None, :]
+            for j in range(m):
+                dkc[j] = dkc[j] + dy[:, j]
+        dxs.append(dx_i)
+    dxs, dkc = jnp.stack(dxs, axis=1), jnp.stack(dkc, axis=1)          # [P, nb, 2t, K], [P, nb, t, K]
+    dq = dxs[:, :, :t] * row
+    dk = dxs[:, :, t:] * row + dkc * col
+    db = jnp.sum((xs * dxs).reshape(P, nb, 2, t, K), axis=2) - kc * dkc
+    if not s["safe_gate"]:   # exact diagonal tiles: P_ii = Σ_j x_r y_s E_rs, E = e^{b_r − b_s}
+        dpd = jnp.stack([dp[:, i, :, i * t:(i + 1) * t] for i in range(nb)], axis=1).reshape(P, nb, 2, t, t)
+        x2 = jnp.stack([qt, kt], axis=2)                                   # [P, nb, 2, t, K]
+        dx2 = jnp.einsum("pixrs,pisk,pirsk->pixrk", dpd, kt, s["dec"], precision=HIGHEST)
+        dyd = jnp.einsum("pixrs,pixrk,pirsk->pisk", dpd, x2, s["dec"], precision=HIGHEST)
+        dq, dk = dq + dx2[:, :, 0], dk + dx2[:, :, 1] + dyd
+        db = db + jnp.sum(x2 * dx2, axis=2) - kt * dyd
+    dq, dk, db = (z.reshape(P, n, K) for z in (dq, dk, db))
+    eb = (row * s["ec"]).reshape(P, n, K)                                  # e^{b}
+    e_rest = s["e_rest"].reshape(P, n, K)
+    if s["alive"] is not None:
+        d_qdec, d_kdec, d_krest = d_qdec * s["alive"], d_kdec * s["alive"], d_krest * s["last"]
+    dq = dq + d_qdec * eb
+    dk = dk + d_kdec * eb + d_krest * e_rest
+    rest = d_krest * s["k_rest"]
+    db = db + d_qdec * s["q_dec"] + d_kdec * s["k_dec"] - rest
+    db_n = jnp.sum(rest, axis=1) + d_decay * s["decay"]                    # through b_n = Σ_r g_r
+    dg = _reverse_cumsum(db, s["cumsum"], t) + db_n[:, None, :]
+    return dq.reshape(P, n, K), dk, dv, dg, dbeta
 
 
 def _chunk_states(u0, w, k_rest, decay, S0, scan: str):
@@ -224,6 +355,16 @@ def _flat(x):
     return None if x is None else x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
+def _kda_intra(q, k, v, g, beta, reset, **intra):
+    """The outputs of :func:`_intra_forward` only (plain autodiff differentiates straight through it)."""
+    return _intra_forward(q, k, v, g, beta, reset, **intra)[0]
+
+
+def _intra_vjp(q, k, v, g, beta, reset, cts, **intra):
+    """Recompute :func:`_intra_forward` and pull ``cts`` back through it with :func:`_intra_backward`."""
+    return _intra_backward(_intra_forward(q, k, v, g, beta, reset, **intra)[1], cts)
+
+
 def _intra_by_head(cfg, qc, kc, vc, gc, bc, reset):
     """``_kda_intra`` over all (chunk, head) pairs as one flat batch ``[C·G, n, ·]`` (chunks and heads as batch;
     a leading size-1 batch axis also crashes XLA:CPU 0.10's backward of this graph), in blocks of
@@ -240,7 +381,9 @@ def _intra_vjp_by_head(cfg, qc, kc, vc, gc, bc, reset, cts):
     C, G = qc.shape[:2]
 
     def one(q, k, v, g, b, r, *ct):
-        return jax.vjp(lambda *x: _kda_intra(*x, r, **cfg.intra), q, k, v, g, b)[1](ct)
+        if cfg.intra_vjp == "autodiff":
+            return jax.vjp(lambda *x: _kda_intra(*x, r, **cfg.intra), q, k, v, g, b)[1](ct)
+        return _intra_vjp(q, k, v, g, b, r, ct, **cfg.intra)
 
     out = _blocked(one, tuple(map(_flat, (qc, kc, vc, gc, bc, reset, *cts))), cfg.block)
     return tuple(x.reshape(C, G, *x.shape[1:]) for x in out)
@@ -322,28 +465,34 @@ def _block_out(x, B: int):
     return x.reshape(B, bc * n, G // B, *x.shape[4:])
 
 
-def _block_intra(cfg, xs):
-    """``_kda_intra`` on one block ``[bc, G, n, ·]`` of chunks (all heads), flat over (chunk, head) pairs."""
-    bc, G = xs[0].shape[:2]
-    out = _kda_intra(*map(_flat, xs), **cfg.intra)
-    return tuple(x.reshape(bc, G, *x.shape[1:]) for x in out)
+def _replay(S, a_qk, u0, w, q_dec, k_rest, decay, outputs: bool = False):
+    """Carry the state through one block's chunks ``[bc, G, ·]``: ``U_j = u0_j − w_j S``,
+    ``S ← e^{b_n} ⊙ S + k_restᵀ U_j``, and (``outputs``) ``o_j = q_dec_j S + a_qk_j U_j`` while S is in cache.
+    Returns ``(S entering each chunk [bc, G, K, V], U [bc, G, n, V], S out, o [bc, G, n, V] or None)``."""
+    S_in, U, o = [], [], []
+    for j in range(u0.shape[0]):
+        S_in.append(S)
+        U.append(u0[j] - _mm("gnk,gkv->gnv", w[j], S))
+        if outputs:
+            o.append(_mm("gnk,gkv->gnv", q_dec[j], S) + _mm("gns,gsv->gnv", a_qk[j], U[j]))
+        S = decay[j][..., None] * S + _mm("gnk,gnv->gkv", k_rest[j], U[j])
+    return jnp.stack(S_in), jnp.stack(U), S, (jnp.stack(o) if outputs else None)
 
 
 def _fused_forward(cfg, xs, S0):
     """Returns ``(o [B, T', H, V] in cfg.dtype, final S [G, K, V], S entering each block [T'/(bc·n), G, K, V])``."""
     B, Tp, H = xs[4].shape
-    nblk = Tp // (cfg.bc * cfg.n)
+    nblk, L = Tp // (cfg.bc * cfg.n), cfg.bc * cfg.n
 
     def step(carry, i):
         S, o = carry
-        a_qk, u0, w, q_dec, k_rest, decay = _block_intra(cfg, _block_in(cfg, xs, i))
-        S_start, os = S, []
-        for j in range(cfg.bc):
-            U = u0[j] - _mm("gnk,gkv->gnv", w[j], S)
-            os.append(_mm("gnk,gkv->gnv", q_dec[j], S) + _mm("gns,gsv->gnv", a_qk[j], U))
-            S = decay[j][..., None] * S + _mm("gnk,gnv->gkv", k_rest[j], U)
-        o = jax.lax.dynamic_update_slice_in_dim(o, _block_out(jnp.stack(os), B), i * cfg.bc * cfg.n, axis=1)
-        return (S, o), S_start
+        x_in = _block_in(cfg, xs, i)
+        bc, G = x_in[0].shape[:2]
+        outs = _kda_intra(*map(_flat, x_in), **cfg.intra)
+        a_qk, u0, w, q_dec, k_rest, decay = (x.reshape(bc, G, *x.shape[1:]) for x in outs)
+        _, _, S_out, ob = _replay(S, a_qk, u0, w, q_dec, k_rest, decay, outputs=True)
+        o = jax.lax.dynamic_update_slice_in_dim(o, _block_out(ob, B), i * L, axis=1)
+        return (S_out, o), S
 
     o0 = jnp.zeros((B, Tp, H, xs[2].shape[-1]), cfg.dtype)
     (S, o), S_starts = jax.lax.scan(step, (S0, o0), jnp.arange(nblk))
@@ -361,42 +510,54 @@ def _kda_fused_fwd(cfg, q, k, v, g, beta, reset, S0):
 
 
 def _kda_fused_bwd(cfg, res, cts):
-    """One reverse scan over the blocks, carrying dS: each block re-reads its inputs, re-runs its intra pass under
-    ``jax.vjp``, replays its states from the stored block-entry state, carries dS back through its chunks, pulls
-    the cotangents back through the intra pass and writes dq, dk, dv, dg, dβ in place. Residuals: the inputs and
-    one state per block."""
+    """One reverse scan over the blocks, carrying dS: each block re-reads its inputs, recomputes its intra pass
+    (:func:`_intra_forward`, intermediates kept for this block only), replays its states from the stored
+    block-entry state, carries dS back through its chunks (two matmuls a chunk; the rest batched over the block),
+    pulls the cotangents back through the intra pass (:func:`_intra_backward`) and writes dq, dk, dv, dg, dβ in
+    place. Residuals: the inputs and one state per block.
+
+    Per chunk (forward ``U = u0 − w S``, ``o = q_dec S + a_qk U``, ``S' = D S + k_restᵀ U``, ``D = diag(e^{b_n})``),
+    from dS' and do: ``dU = a_qkᵀ do + k_rest dS'``, ``dS = D dS' + q_decᵀ do − wᵀ dU``; then
+    ``d q_dec = do Sᵀ``, ``d a_qk = do Uᵀ``, ``d k_rest = U dS'ᵀ``, ``d e^{b_n} = Σ_v S ⊙ dS'``, ``dw = −dU Sᵀ``,
+    ``du0 = dU``."""
     do, dS_final = cts
+    # The barrier ties the recomputation to the incoming cotangent: without it XLA would CSE this pass with the
+    # forward's identical one and keep every intermediate alive from the forward to here after all.
     (q, k, v, g, beta, reset, S_starts), do = jax.lax.optimization_barrier((res, do))
     xs = (q, k, v, g, beta, reset)
-    B = beta.shape[0]
-    bc, L = cfg.bc, cfg.bc * cfg.n
+    B, L = beta.shape[0], cfg.bc * cfg.n
 
     def step(carry, i):
         dS, grads = carry
         x_in = _block_in(cfg, xs, i)
-        r = x_in[5]
-        intra, pull = jax.vjp(lambda *a: _block_intra(cfg, (*a, r)), *x_in[:5])
-        a_qk, u0, w, q_dec, k_rest, decay = intra
-        do_b, S = _block_heads(cfg, do, i), S_starts[i]
-        S_in, U = [], []
-        for j in range(bc):
-            S_in.append(S)
-            U.append(u0[j] - _mm("gnk,gkv->gnv", w[j], S))
-            S = decay[j][..., None] * S + _mm("gnk,gnv->gkv", k_rest[j], U[j])
-        d = [[None] * bc for _ in range(6)]  # cotangents of a_qk, u0, w, q_dec, k_rest, decay per chunk
+        bc, G = x_in[0].shape[:2]
+        if cfg.intra_vjp == "autodiff":
+            r = _flat(x_in[5])
+            outs, pull = jax.vjp(lambda *a: _kda_intra(*a, r, **cfg.intra), *map(_flat, x_in[:5]))
+        else:
+            outs, saved = _intra_forward(*map(_flat, x_in), **cfg.intra)
+            pull = lambda ct: _intra_backward(saved, ct)  # noqa: E731
+        a_qk, u0, w, q_dec, k_rest, decay = (x.reshape(bc, G, *x.shape[1:]) for x in outs)
+        S_in, U, _, _ = _replay(S_starts[i], a_qk, u0, w, q_dec, k_rest, decay)
+        S_f, U_f, do_f = _flat(S_in), _flat(U), _flat(_block_heads(cfg, do, i))
+        d_qdec = _mm("pnv,pkv->pnk", do_f, S_f)
+        d_aqk = _mm("pnv,psv->pns", do_f, U_f)
+        a_do = _mm("pns,pnv->psv", outs[0], do_f).reshape(U.shape)              # a_qkᵀ do
+        q_do = _mm("pnk,pnv->pkv", outs[3], do_f).reshape(S_in.shape)           # q_decᵀ do
+        dU, dS_out = [None] * bc, [None] * bc
         for j in reversed(range(bc)):       # dS: gradient w.r.t. the state leaving chunk j
-            d[3][j] = _mm("gnv,gkv->gnk", do_b[j], S_in[j])
-            d[0][j] = _mm("gnv,gsv->gns", do_b[j], U[j])
-            dU = _mm("gns,gnv->gsv", a_qk[j], do_b[j]) + _mm("gnk,gkv->gnv", k_rest[j], dS)
-            d[4][j] = _mm("gnv,gkv->gnk", U[j], dS)
-            d[5][j] = jnp.sum(S_in[j] * dS, axis=-1)
-            d[1][j], d[2][j] = dU, -_mm("gnv,gkv->gnk", dU, S_in[j])
-            dS = (decay[j][..., None] * dS + _mm("gnk,gnv->gkv", q_dec[j], do_b[j])
-                  - _mm("gnk,gnv->gkv", w[j], dU))
-        dq, dk, dv, dg, db = pull(tuple(jnp.stack(x) for x in d))
+            dS_out[j] = dS
+            dU[j] = a_do[j] + _mm("gnk,gkv->gnv", k_rest[j], dS)
+            dS = decay[j][..., None] * dS + q_do[j] - _mm("gnk,gnv->gkv", w[j], dU[j])
+        dU_f, dSo_f = _flat(jnp.stack(dU)), _flat(jnp.stack(dS_out))
+        d_krest = _mm("pnv,pkv->pnk", U_f, dSo_f)
+        d_decay = jnp.sum(S_f * dSo_f, axis=-1)
+        d_w = -_mm("pnv,pkv->pnk", dU_f, S_f)
+        dq, dk, dv, dg, db = pull((d_aqk, dU_f, d_w, d_qdec, d_krest, d_decay))
         dq = dq * cfg.scale
-        grads = tuple(jax.lax.dynamic_update_slice_in_dim(buf, _block_out(x, B).astype(buf.dtype), i * L, axis=1)
-                      for buf, x in zip(grads, (dq, dk, dv, dg, db)))
+        grads = tuple(jax.lax.dynamic_update_slice_in_dim(
+            buf, _block_out(x.reshape(bc, G, *x.shape[1:]), B).astype(buf.dtype), i * L, axis=1)
+            for buf, x in zip(grads, (dq, dk, dv, dg, db)))
         return (dS, grads), None
 
     dS_last = jnp.zeros_like(S_starts[0]) if dS_final is None else dS_final.astype(S_starts.dtype)
@@ -413,12 +574,12 @@ class _Cfg:
     """Static settings of the chunked kernel (hashable, for ``nondiff_argnums``)."""
 
     def __init__(self, sub: int, safe_gate: bool, solve: str, cumsum: str, scan: str, block: int,
-                 n: int = 0, bc: int = 0, scale: float = 1.0, dtype=jnp.float32):
+                 n: int = 0, bc: int = 0, scale: float = 1.0, dtype=jnp.float32, intra_vjp: str = "manual"):
         self.intra = dict(sub=sub, safe_gate=safe_gate, solve=solve, cumsum=cumsum)
-        self.scan, self.block = scan, block
+        self.scan, self.block, self.intra_vjp = scan, block, intra_vjp
         # fused path: chunk size, chunks per block, q scale, internal dtype
         self.n, self.bc, self.scale, self.dtype = n, bc, scale, jnp.dtype(dtype)
-        self._key = (sub, safe_gate, solve, cumsum, scan, block, n, bc, scale, self.dtype)
+        self._key = (sub, safe_gate, solve, cumsum, scan, block, n, bc, scale, self.dtype, intra_vjp)
 
     def __hash__(self):
         return hash(self._key)
@@ -429,10 +590,10 @@ class _Cfg:
 
 def kda_chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
                 scale: float | None = None, initial_state: jax.Array | None = None,
-                output_final_state: bool = False, chunk_size: int = 64, sub_chunk: int = 16,
+                output_final_state: bool = False, chunk_size: int | None = None, sub_chunk: int = 16,
                 safe_gate: bool = False, reset: jax.Array | None = None, *, solve: str = "blocked",
                 cumsum: str = "tiled", scan: str | None = None, recompute: bool = True,
-                block: int | None = None) -> tuple[jax.Array, jax.Array | None]:
+                block: int | None = None, intra_vjp: str = "manual") -> tuple[jax.Array, jax.Array | None]:
     """Chunked KDA (spec §4.3), mathematically identical to :func:`kda_recurrent`; fp32 internals.
 
     Per chunk of n tokens with incoming state S₀ and in-chunk cumulative log decay ``b_r = Σ_{s≤r} g_s``::
@@ -466,7 +627,9 @@ def kda_chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: ja
     the chunk's outgoing state keeps only its last document.
     """
     _check(q, k, v, g, beta, initial_state)
-    if chunk_size % sub_chunk:
+    if chunk_size is None:
+        chunk_size = 32 if jax.default_backend() == "cpu" else 64
+    if chunk_size < 1 or chunk_size % sub_chunk:
         raise ValueError(f"kda_chunked: sub_chunk={sub_chunk} must divide chunk_size={chunk_size}")
     if safe_gate and sub_chunk > 16:
         raise ValueError(f"kda_chunked: safe_gate needs sub_chunk ≤ 16 (e^{{5·(sub−1)}} must stay finite in fp32); "
@@ -492,12 +655,16 @@ def kda_chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: ja
         block = 16 if scan == "fused" else 1024
     if block < 1:
         raise ValueError(f"kda_chunked: block must be ≥ 1 (chunk·head pairs per intra-chunk block); got {block}")
+    if intra_vjp not in ("manual", "autodiff"):
+        raise ValueError(f"kda_chunked: intra_vjp must be 'manual' or 'autodiff', got {intra_vjp!r}")
+    if solve not in SOLVES:
+        raise ValueError(f"kda_chunked: solve must be one of {SOLVES}, got {solve!r}")
     if scan not in SCANS:
         raise ValueError(f"kda_chunked: scan must be one of {SCANS}, got {scan!r}")
     S0 = (jnp.zeros((B, H, K, V), a) if initial_state is None else initial_state.astype(a)).reshape(B * H, K, V)
     if scan == "fused":
         bc = min(C, max(1, block // (B * H)))                               # chunks per block
-        cfg = _Cfg(sub_chunk, safe_gate, solve, cumsum, scan, block, n, bc, scale, a)
+        cfg = _Cfg(sub_chunk, safe_gate, solve, cumsum, scan, block, n, bc, scale, a, intra_vjp)
         Tp = -(-C // bc) * bc * n
         padT = lambda x: x if Tp == T else jnp.pad(x, [(0, 0), (0, Tp - T)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
         r = None if reset is None else padT(reset.astype(bool))
@@ -509,7 +676,7 @@ def kda_chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: ja
     if reset is not None:
         r = jnp.pad(reset.astype(bool), [(0, 0), (0, pad)]).reshape(B, C, 1, n)
         r = jnp.broadcast_to(jnp.moveaxis(r, 1, 0), (C, B, H, n)).reshape(C, B * H, n)
-    cfg = _Cfg(sub_chunk, safe_gate, solve, cumsum, scan, block)
+    cfg = _Cfg(sub_chunk, safe_gate, solve, cumsum, scan, block, intra_vjp=intra_vjp)
     args = (prep(q) * scale, prep(k), prep(v), prep(g), prep(beta), r, S0)
     o, S = _kda_core(cfg, *args) if recompute else _kda_core_impl(cfg, *args)
     o = jnp.moveaxis(o.reshape(C, B, H, n, V), (0, 2), (1, 3))               # [B, C, n, H, V]
