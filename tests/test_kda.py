@@ -160,8 +160,9 @@ def test_document_resets(rng, gate):
 
 
 # ------------------------------------------------------------------------------ fast-path variants (issue 7)
-@pytest.mark.parametrize("kw", [dict(chunk_size=16), dict(chunk_size=32), dict(chunk_size=128),
-                                dict(solve="neumann"), dict(solve="rowscan"), dict(cumsum="native"),
+@pytest.mark.parametrize("kw", [dict(chunk_size=16), dict(chunk_size=64), dict(chunk_size=128),
+                                dict(solve="neumann"), dict(solve="rowscan"), dict(solve="triangular_solve"),
+                                dict(cumsum="native"),
                                 dict(cumsum="matmul"), dict(scan="scan"), dict(scan="affine"),
                                 dict(scan="associative"), dict(block=5), dict(block=1000)])
 def test_chunked_variants_match_recurrent(rng, kw):
@@ -176,14 +177,16 @@ def test_chunked_variants_match_recurrent(rng, kw):
 
 
 @pytest.mark.parametrize("recompute,kw", [(True, dict(block=5)), (False, dict(block=5)), (True, dict(block=8)),
-                                          (True, dict(scan="scan", block=5))])
+                                          (True, dict(scan="scan", block=5)), (True, dict(chunk_size=64, block=4)),
+                                          (True, dict(block=5, intra_vjp="autodiff"))])
 @pytest.mark.parametrize("gate", ["lower_bound", "softplus"])
 def test_gradients_with_resets_match_recurrent(rng, gate, recompute, kw):
     """The recomputing custom VJP (and plain autodiff of the same forward) equal ``jax.grad`` of the token scan,
     with packed-document resets and cotangents on both the outputs and the final state. 4 heads·batch and 3
     chunks: ``block=5`` runs the fused scan one chunk per step, ``block=8`` two (the 3 chunks padded to 4), and
     ``scan="scan"`` the separate-pass path (intra pass in blocks of 5 (chunk, head) pairs); plain autodiff
-    (``recompute=False``) is checked on the fused path."""
+    (``recompute=False``) is checked on the fused path, as are 64-token chunks (4 pairs a step: one chunk, the
+    second padded) and ``jax.vjp`` of the intra pass in place of its hand-written VJP."""
     q, k, v, g, beta, s0 = make_inputs(rng, 90, gate, init=True, H=2)
     reset = jnp.zeros((2, 90), bool).at[0, 30].set(True).at[1, 64].set(True)
     w = jnp.asarray(rng.normal(size=v.shape), jnp.float32)
@@ -193,15 +196,15 @@ def test_gradients_with_resets_match_recurrent(rng, gate, recompute, kw):
         o, s = fn(*args[:5], initial_state=args[5], output_final_state=True, reset=reset)
         return jnp.sum(o * w) + jnp.sum(s * ws)
 
-    chunked = lambda *a, **kw2: kda_chunked(*a, **kw2, safe_gate=gate == "lower_bound", chunk_size=32,  # noqa: E731
-                                            recompute=recompute, **kw)
+    chunked = lambda *a, **kw2: kda_chunked(*a, **kw2, safe_gate=gate == "lower_bound",  # noqa: E731
+                                            recompute=recompute, **{"chunk_size": 32, **kw})
     g_ref = jax.grad(lambda *a: loss(kda_recurrent, *a), argnums=tuple(range(6)))(q, k, v, g, beta, s0)
     g_chk = jax.grad(lambda *a: loss(chunked, *a), argnums=tuple(range(6)))(q, k, v, g, beta, s0)
     for name, a, b in zip("q k v g beta s0".split(), g_chk, g_ref):
         assert rel(a, b) <= 1e-4, name
 
 
-@pytest.mark.parametrize("method", ["blocked", "neumann", "rowscan"])
+@pytest.mark.parametrize("method", ["blocked", "neumann", "rowscan", "triangular_solve"])
 def test_unit_lower_solve_matches_numpy(rng, method):
     from k3jax.ops.kda_chunked import solve_unit_lower
 
@@ -210,6 +213,35 @@ def test_unit_lower_solve_matches_numpy(rng, method):
     ref = np.linalg.solve(a.astype(np.float64) + np.eye(64), r.astype(np.float64))   # LAPACK, fp64
     x = solve_unit_lower(jnp.asarray(a), jnp.asarray(r), method)
     assert float(np.abs(np.asarray(x, np.float64) - ref).max() / np.abs(ref).max()) <= 1e-5
+
+
+@pytest.mark.parametrize("method", ["blocked", "neumann", "rowscan", "triangular_solve"])
+def test_unit_lower_inverse_matches_numpy(rng, method):
+    from k3jax.ops.kda_chunked import unit_lower_inverse
+
+    a = np.tril(rng.normal(size=(3, 64, 64)) * 0.15, -1).astype(np.float32)
+    ref = np.linalg.inv(a.astype(np.float64) + np.eye(64))                          # LAPACK, fp64
+    t = np.asarray(unit_lower_inverse(jnp.asarray(a), method), np.float64)
+    assert float(np.abs(t - ref).max() / np.abs(ref).max()) <= 1e-5
+    assert np.all(np.triu(t, 1) == 0) and np.allclose(np.diagonal(t, axis1=1, axis2=2), 1.0)
+
+
+@pytest.mark.parametrize("gate", ["lower_bound", "softplus"])
+def test_intra_chunk_vjp_equals_autodiff_in_float64(rng, x64, gate):
+    """The hand-written VJP of the intra-chunk pass (solve through T, Gram tiles, db = x⊙dx − y⊙dy) against
+    ``jax.vjp`` of the same forward, every output given a random cotangent, with a document reset inside a chunk."""
+    from k3jax.ops.kda_chunked import _intra_backward, _intra_forward
+
+    q, k, v, g, beta, _ = make_inputs(rng, 64, gate, B=1, H=3, dtype=np.float64)
+    flat = lambda x: jnp.moveaxis(x, 2, 1).reshape(6, 32, *x.shape[3:])  # noqa: E731  [pairs, n, ·]
+    xs = [flat(x) for x in (q, k, v, g)] + [jnp.moveaxis(beta, 2, 1).reshape(6, 32)]
+    reset = jnp.zeros((6, 32), bool).at[1, 9].set(True).at[4, 20].set(True)
+    kw = dict(sub=16, safe_gate=gate == "lower_bound", solve="blocked", cumsum="tiled")
+    outs, saved = _intra_forward(*xs, reset, **kw)
+    cts = tuple(jnp.asarray(rng.normal(size=o.shape)) for o in outs)
+    ref = jax.vjp(lambda *a: _intra_forward(*a, reset, **kw)[0], *xs)[1](cts)
+    for name, a, b in zip("q k v g beta".split(), _intra_backward(saved, cts), ref):
+        assert rel(a, b) <= 1e-11, name
 
 
 def test_bfloat16_inputs_stay_within_1e2_of_float32(rng):
@@ -240,3 +272,9 @@ def test_bad_settings_are_named():
         kda_chunked(z, z, z, z, jnp.zeros((1, 64, 1)), scan="parallel")
     with pytest.raises(ValueError, match=r"block must be ≥ 1"):
         kda_chunked(z, z, z, z, jnp.zeros((1, 64, 1)), block=0)
+    with pytest.raises(ValueError, match=r"chunk_size must be a positive multiple of sub_chunk=16; got 24"):
+        kda_chunked(z, z, z, z, jnp.zeros((1, 64, 1)), chunk_size=24)
+    with pytest.raises(ValueError, match=r"solve must be one of .*'triangular_solve'\), got 'lu'"):
+        kda_chunked(z, z, z, z, jnp.zeros((1, 64, 1)), solve="lu")
+    with pytest.raises(ValueError, match=r"intra_vjp must be 'manual' or 'autodiff', got 'x'"):
+        kda_chunked(z, z, z, z, jnp.zeros((1, 64, 1)), intra_vjp="x")

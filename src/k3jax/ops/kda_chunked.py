@@ -39,9 +39,13 @@ def solve_unit_lower(a_strict: jax.Array, rhs: jax.Array, method: str = "blocked
     * ``blocked`` (default): the ``block × block`` diagonal blocks are inverted by Neumann doubling, then block
       forward substitution ``X_i = D_i⁻¹ (R_i − Σ_{j<i} A_ij X_j)`` — ``n/block`` steps of dense matmuls;
     * ``neumann``: the whole ``(I + A)⁻¹`` by doubling (≈ 2 log₂n n³ FLOPs), then one matmul;
-    * ``rowscan``: one row per ``lax.scan`` step, ``x_r = R_r − Σ_{s<r} A_rs x_s`` (the first version; slow).
+    * ``rowscan``: one row per ``lax.scan`` step, ``x_r = R_r − Σ_{s<r} A_rs x_s`` (the first version; slow);
+    * ``triangular_solve``: ``jax.lax.linalg.triangular_solve`` (LAPACK ``trsm`` on CPU).
     """
     n = a_strict.shape[-1]
+    if method == "triangular_solve":
+        eye = jnp.eye(n, dtype=a_strict.dtype)
+        return jax.lax.linalg.triangular_solve(a_strict + eye, rhs, left_side=True, lower=True, unit_diagonal=True)
     if method == "neumann":
         return _mm("...ij,...jm->...im", inverse_unit_lower_neumann(a_strict), rhs)
     if method == "rowscan":
@@ -104,11 +108,7 @@ def unit_lower_inverse(a_strict: jax.Array, method: str = "blocked", block: int 
     if method in ("neumann", "rowscan", "triangular_solve"):
         if method == "neumann":
             return inverse_unit_lower_neumann(a_strict)
-        eye = jnp.broadcast_to(jnp.eye(n, dtype=a_strict.dtype), a_strict.shape)
-        if method == "triangular_solve":
-            return jax.lax.linalg.triangular_solve(a_strict + eye, eye, left_side=True, lower=True,
-                                                   unit_diagonal=True)
-        return solve_unit_lower(a_strict, eye, "rowscan")
+        return solve_unit_lower(a_strict, jnp.broadcast_to(jnp.eye(n, dtype=a_strict.dtype), a_strict.shape), method)
     if method != "blocked":
         raise ValueError(f"kda_chunked: solve must be one of {SOLVES}, got {method!r}")
     bl = min(block, n)
@@ -130,6 +130,7 @@ def _tri_matmul(low: jax.Array, x: jax.Array, block: int, transpose: bool = Fals
     """``L x`` (or ``Lᵀ x``) for block lower-triangular ``L [P, n, n]``, ``x [P, n, m]``: one matmul per
     ``block`` rows of the result over the blocks that can be non-zero (``(1 + … + nb)/nb²`` of the dense work)."""
     n = low.shape[-1]
+    block = min(block, n)
     nb = n // block
     out = []
     for i in range(nb):
@@ -220,7 +221,7 @@ def _intra_forward(q, k, v, g, beta, reset, *, sub: int, safe_gate: bool, solve:
     a_kk = jnp.where(m_kk, p_kk, 0.0) * beta[..., None]
     tinv = unit_lower_inverse(a_kk, solve, t)
     rhs = jnp.concatenate([v, k_dec], axis=-1)                             # [V | K̃]
-    x = _tri_matmul(tinv, beta[..., None] * rhs, t)                        # [U₀ | W]
+    x = _tri_matmul(tinv * beta[:, None, :], rhs, t)                       # [U₀ | W] = T diag(β) [V | K̃]
     saved = dict(row=row, col=col, mid=mid, ec=ec, e_rest=e_rest, xs=xs, kc=kc, ys=ys, dec=dec, qt=qt, kt=kt,
                  p_kk=p_kk, m_qk=m_qk, m_kk=m_kk, alive=alive, last=last, tinv=tinv, rhs=rhs, x=x, beta=beta,
                  q_dec=q_dec, k_dec=k_dec, k_rest=k_rest, decay=decay, cumsum=cumsum, safe_gate=safe_gate)
@@ -268,7 +269,7 @@ def _intra_backward(s: dict, cts) -> tuple[jax.Array, ...]:
     dxs, dkc = jnp.stack(dxs, axis=1), jnp.stack(dkc, axis=1)          # [P, nb, 2t, K], [P, nb, t, K]
     dq = dxs[:, :, :t] * row
     dk = dxs[:, :, t:] * row + dkc * col
-    db = jnp.sum((xs * dxs).reshape(P, nb, 2, t, K), axis=2) - kc * dkc
+    db = xs[:, :, :t] * dxs[:, :, :t] + xs[:, :, t:] * dxs[:, :, t:] - kc * dkc
     if not s["safe_gate"]:   # exact diagonal tiles: P_ii = Σ_j x_r y_s E_rs, E = e^{b_r − b_s}
         dpd = jnp.stack([dp[:, i, :, i * t:(i + 1) * t] for i in range(nb)], axis=1).reshape(P, nb, 2, t, t)
         x2 = jnp.stack([qt, kt], axis=2)                                   # [P, nb, 2, t, K]
@@ -539,20 +540,19 @@ def _kda_fused_bwd(cfg, res, cts):
             pull = lambda ct: _intra_backward(saved, ct)  # noqa: E731
         a_qk, u0, w, q_dec, k_rest, decay = (x.reshape(bc, G, *x.shape[1:]) for x in outs)
         S_in, U, _, _ = _replay(S_starts[i], a_qk, u0, w, q_dec, k_rest, decay)
-        S_f, U_f, do_f = _flat(S_in), _flat(U), _flat(_block_heads(cfg, do, i))
-        d_qdec = _mm("pnv,pkv->pnk", do_f, S_f)
-        d_aqk = _mm("pnv,psv->pns", do_f, U_f)
-        a_do = _mm("pns,pnv->psv", outs[0], do_f).reshape(U.shape)              # a_qkᵀ do
-        q_do = _mm("pnk,pnv->pkv", outs[3], do_f).reshape(S_in.shape)           # q_decᵀ do
-        dU, dS_out = [None] * bc, [None] * bc
-        for j in reversed(range(bc)):       # dS: gradient w.r.t. the state leaving chunk j
-            dS_out[j] = dS
-            dU[j] = a_do[j] + _mm("gnk,gkv->gnv", k_rest[j], dS)
-            dS = decay[j][..., None] * dS + q_do[j] - _mm("gnk,gnv->gkv", w[j], dU[j])
-        dU_f, dSo_f = _flat(jnp.stack(dU)), _flat(jnp.stack(dS_out))
-        d_krest = _mm("pnv,pkv->pnk", U_f, dSo_f)
-        d_decay = jnp.sum(S_f * dSo_f, axis=-1)
-        d_w = -_mm("pnv,pkv->pnk", dU_f, S_f)
+        do_b = _block_heads(cfg, do, i)
+        a_do = _mm("pns,pnv->psv", outs[0], _flat(do_b)).reshape(U.shape)      # a_qkᵀ do
+        # the products with S, dS run per chunk, while that chunk's state and its gradient are in cache
+        d = [[None] * bc for _ in range(5)]  # dU (= du0), dw, dq_dec, dk_rest, d decay per chunk
+        for j in reversed(range(bc)):        # dS: gradient w.r.t. the state leaving chunk j
+            dU = a_do[j] + _mm("gnk,gkv->gnv", k_rest[j], dS)
+            d[0][j], d[1][j] = dU, -_mm("gnv,gkv->gnk", dU, S_in[j])
+            d[2][j] = _mm("gnv,gkv->gnk", do_b[j], S_in[j])
+            d[3][j], d[4][j] = _mm("gnv,gkv->gnk", U[j], dS), jnp.sum(S_in[j] * dS, axis=-1)
+            dS = (decay[j][..., None] * dS + _mm("gnk,gnv->gkv", q_dec[j], do_b[j])
+                  - _mm("gnk,gnv->gkv", w[j], dU))
+        dU_f, d_w, d_qdec, d_krest, d_decay = (_flat(jnp.stack(x)) for x in d)
+        d_aqk = _mm("pnv,psv->pns", _flat(do_b), _flat(U))
         dq, dk, dv, dg, db = pull((d_aqk, dU_f, d_w, d_qdec, d_krest, d_decay))
         dq = dq * cfg.scale
         grads = tuple(jax.lax.dynamic_update_slice_in_dim(
@@ -603,24 +603,28 @@ def kda_chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: ja
         o_r = (q_r ⊙ e^{b_r})ᵀ S₀ + Σ_{s≤r} (Σ_j q_r[j] k_s[j] e^{b_r[j]−b_s[j]}) u_s
         S_n = Diag(e^{b_n}) S₀ + Σ_s (k_s ⊙ e^{b_n−b_s}) u_sᵀ
 
-    ``scan=None`` picks ``"fused"`` on CPU and ``"scan"`` on accelerators (where one intra pass over every chunk at
-    once keeps the device busy; measured on an H200 before the fused path existed); ``block=None`` picks 16 pairs
-    for ``"fused"`` and 1024 otherwise. ``scan="fused"``: one ``lax.scan`` over blocks of chunks. Each step reads
-    one block of q, k, v, g, β straight from their ``[B, T, H, ·]`` layout (no sequence-sized transpose, cast or
-    intermediate), runs the intra-chunk pass for all its (chunk, head) pairs at once (16-row tiles, see
-    ``_kda_intra``; the unit-triangular solve by blocked forward substitution), then carries S through the block's
-    chunks with two matmuls each and writes their outputs. ``block`` is the number of (chunk, head) pairs per step
-    (``max(1, block // (B·H))`` chunks). ``scan="scan"`` runs separate passes instead — the intra pass for all
-    chunks (``lax.map`` in blocks of ``block`` pairs), one state scan, one batched output pass — and ``"affine"`` /
-    ``"associative"`` replace its state scan (benchmarked in ``benchmarks/kda.py``). ``safe_gate=True`` asserts
-    every ``g ≥ −5`` (K3's lower-bound gate) and lets the diagonal tiles factor their exponentials too (needs
-    ``sub_chunk ≤ 16``); leave it False for an unbounded (softplus) gate. T need not be a multiple of ``chunk_size``
-    (zero padding leaves state and outputs exact).
+    ``chunk_size=None`` picks 32 on CPU and 64 on accelerators (on CPU a 32-token chunk does 0.8× the work per
+    token of a 64-token one and its matmuls still run near XLA:CPU's batched-GEMM rate; measured in
+    ``benchmarks/kda.py``). ``scan=None`` picks ``"fused"`` on CPU and ``"scan"`` on accelerators (where one intra
+    pass over every chunk at once keeps the device busy; measured on an H200 before the fused path existed);
+    ``block=None`` picks 16 pairs for ``"fused"`` and 1024 otherwise. ``scan="fused"``: one ``lax.scan`` over blocks
+    of chunks. Each step reads one block of q, k, v, g, β straight from their ``[B, T, H, ·]`` layout (no
+    sequence-sized transpose, cast or intermediate), runs the intra-chunk pass for all its (chunk, head) pairs at
+    once (16-row tiles and ``T = (I + A)⁻¹`` by blocks, see :func:`_intra_forward`), then carries S through the
+    block's chunks with two matmuls each and writes their outputs. ``block`` is the number of (chunk, head) pairs
+    per step (``max(1, block // (B·H))`` chunks). ``scan="scan"`` runs separate passes instead — the intra pass for
+    all chunks (``lax.map`` in blocks of ``block`` pairs), one state scan, one batched output pass — and
+    ``"affine"`` / ``"associative"`` replace its state scan (benchmarked in ``benchmarks/kda.py``).
+    ``safe_gate=True`` asserts every ``g ≥ −5`` (K3's lower-bound gate) and lets the diagonal tiles factor their
+    exponentials too (needs ``sub_chunk ≤ 16``); leave it False for an unbounded (softplus) gate. T need not be a
+    multiple of ``chunk_size`` (zero padding leaves state and outputs exact).
 
     ``recompute=True`` (default) differentiates with a custom VJP that keeps only the inputs (and, fused, the state
-    entering each block) and recomputes the per-chunk intermediates block by block in the backward pass;
-    ``False`` lets ``jax.grad`` store them. ``solve`` and ``cumsum`` (``tiled``/``native``/``matmul``) select
-    variants benchmarked in ``benchmarks/kda.py``.
+    entering each block) and recomputes the per-chunk intermediates block by block in the backward pass, pulling
+    the cotangents back through the intra-chunk pass with its hand-written VJP (:func:`_intra_backward`;
+    ``intra_vjp="autodiff"`` uses ``jax.vjp`` of the same forward instead); ``False`` lets ``jax.grad`` store
+    everything. ``solve`` (how T is inverted: ``blocked``/``neumann``/``rowscan``/``triangular_solve``) and
+    ``cumsum`` (``tiled``/``native``/``matmul``) select variants benchmarked in ``benchmarks/kda.py``.
 
     ``reset [B, T]`` (bool) zeroes the state before each marked token (packed documents): pairs of tokens from
     different documents are masked out of A and of the in-chunk attention, rows after a reset do not read S₀, and
@@ -630,7 +634,8 @@ def kda_chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: ja
     if chunk_size is None:
         chunk_size = 32 if jax.default_backend() == "cpu" else 64
     if chunk_size < 1 or chunk_size % sub_chunk:
-        raise ValueError(f"kda_chunked: sub_chunk={sub_chunk} must divide chunk_size={chunk_size}")
+        raise ValueError(f"kda_chunked: chunk_size must be a positive multiple of sub_chunk={sub_chunk}; "
+                         f"got {chunk_size}")
     if safe_gate and sub_chunk > 16:
         raise ValueError(f"kda_chunked: safe_gate needs sub_chunk ≤ 16 (e^{{5·(sub−1)}} must stay finite in fp32); "
                          f"got {sub_chunk}")
