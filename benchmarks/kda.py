@@ -1,6 +1,6 @@
 """Chunked KDA forward and forward+backward against the recurrent scan, the first version and fla's naive chunk.
 
-    .venv/bin/python -m benchmarks.kda [--T 1024 4096 16384] [--explore-T 4096] [--reps 3] [--no-fla] [--json out.json]
+    .venv/bin/python -m benchmarks.kda [--T 1024 4096 16384] [--explore-T 4096] [--reps 5] [--no-fla] [--json out.json]
 
 Shapes B=1, H=4, K=V=128, lower-bound gate (K3), fp32 (plus one bf16-input row). FLOPs are counted once, from the
 chunked algorithm at the reference chunk n=64 (fla's, and k3jax's on accelerators; per chunk and head: decayed K·Kᵀ
@@ -8,9 +8,11 @@ chunked algorithm at the reference chunk n=64 (fla's, and k3jax's on accelerator
 state update 6nKV); forward+backward = 3× forward. Every variant is measured against that same count, so a
 variant that does more work is not rewarded (one that does less, like a smaller chunk, is). The default chunk on
 CPU is 32, which does 0.8× the reference work per token; ``own_flops_*`` ratios count its own FLOPs instead.
-Reported: median of ``--reps`` runs after a warm-up, ratio to the FLOP-roofline time (FLOPs / fp32 GEMM FLOP/s
-measured in this run), and XLA's compiled temporary memory of the backward with the recomputing custom VJP vs
-``jax.grad`` of the same forward storing its intermediates (``recompute=False``). ``--explore-T`` times each
+Reported: median of ``--reps`` interleaved rounds after a warm-up (every contender of a table runs once per
+round, the roofline's GEMM among them, so a slow spell on a shared machine hits them alike), ratio to the
+FLOP-roofline time (FLOPs / the fp32 GEMM FLOP/s measured in those same rounds, ``gemm_flops_interleaved``; the
+runner's best-of-5 roofline is kept in the record too), and XLA's compiled temporary memory of the backward with
+the recomputing custom VJP vs ``jax.grad`` of the same forward storing its intermediates (``recompute=False``). ``--explore-T`` times each
 variant (fused vs separate passes, block, chunk size, solve, cumsum, cross-chunk scan, recompute, the hand-written
 intra-chunk VJP vs autodiff, the first version) at one length. Also recorded: the GEMM rate at the kernel's own
 matmul shapes (``kernel_gemm_flops``).
@@ -24,6 +26,7 @@ import json
 import statistics
 import time
 from pathlib import Path
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -131,6 +134,34 @@ def timed(f, *args, reps: int) -> float:
     return statistics.median(ts)
 
 
+def interleaved(runs: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
+    """Median seconds of each ``runs`` callable (each blocks until its result is ready): one warm-up call each,
+    then ``reps`` rounds that call every one once in turn, so that a slow spell of a shared machine falls on all
+    contenders of a round alike instead of on whichever happened to run then."""
+    for f in runs.values():
+        f()
+    ts: dict[str, list[float]] = {k: [] for k in runs}
+    for _ in range(reps):
+        for k, f in runs.items():
+            t = time.perf_counter()
+            f()
+            ts[k].append(time.perf_counter() - t)
+    return {k: statistics.median(v) for k, v in ts.items()}
+
+
+def gemm_run() -> tuple[Callable[[], object], float]:
+    """The roofline's GEMM (``benchmarks.roofline.gemm_flops``'s shape and precision) as a contender: (callable,
+    FLOPs), timed inside each interleaved round so the ratios use the machine's rate during those rounds."""
+    n = 2048 if jax.default_backend() == "cpu" else 8192
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    mm = jax.jit(lambda x, y: jnp.matmul(x, y, precision=jax.lax.Precision.HIGHEST))
+    return (lambda: jax.block_until_ready(mm(a, a))), 2.0 * n ** 3
+
+
+def call(f, *x) -> Callable[[], object]:
+    return lambda: jax.block_until_ready(f(*x))
+
+
 def kernels(**kw):
     """``(forward, forward+backward)`` jitted for one variant; the loss is ``Σ o²``."""
     kw = dict(kw)
@@ -148,8 +179,9 @@ def temp_bytes(f, *x) -> int:
     return int(getattr(f.lower(*x).compile().memory_analysis(), "temp_size_in_bytes", 0))
 
 
-def fla_chunk_seconds(args, reps: int) -> tuple[float | None, str]:
-    """fla 0.6.0's ``naive_chunk_kda`` (pure torch), on the GPU when JAX runs on one, else on the CPU."""
+def fla_chunk_run(args) -> tuple[Callable[[], object] | None, str]:
+    """fla 0.6.0's ``naive_chunk_kda`` (pure torch) as a contender, on the GPU when JAX runs on one, else on the
+    CPU; ``(None, why)`` without fla."""
     spec = importlib.util.find_spec("fla")
     if spec is None:
         return None, "fla not installed"
@@ -162,28 +194,24 @@ def fla_chunk_seconds(args, reps: int) -> tuple[float | None, str]:
     dev = "cuda" if jax.default_backend() == "gpu" and torch.cuda.is_available() else "cpu"
     t = [torch.from_numpy(np.array(a)).to(dev) for a in args]
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
-    with torch.no_grad():
-        mod.naive_chunk_kda(*t)
-        sync()
-        ts = []
-        for _ in range(reps):
-            s = time.perf_counter()
+
+    def run():
+        with torch.no_grad():
             mod.naive_chunk_kda(*t)
-            sync()
-            ts.append(time.perf_counter() - s)
-    return statistics.median(ts), f"torch {torch.__version__} {dev}"
+        sync()
+
+    return run, f"torch {torch.__version__} {dev}"
 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--T", type=int, nargs="+", default=[1024, 4096, 16384])
     ap.add_argument("--explore-T", type=int, default=4096, help="length for the variant table (0: skip it)")
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=5, help="interleaved rounds (median of each contender)")
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     m = machine()
-    peak = m["gemm_flops_fp32"]
     n_run = default_chunk()
     res = {"benchmark": "kda", **m, "shape": {"B": B, "H": H, "K": K, "V": V, "chunk": n_run, "flops_chunk": N},
            "dtype": "float32",
@@ -197,36 +225,37 @@ def main(argv: list[str] | None = None) -> dict:
     _, grad_stored = kernels(recompute=False)
     recurrent = jax.jit(lambda *x: kda_recurrent(*x)[0])
     grad_recurrent = jax.jit(jax.grad(lambda *x: jnp.sum(kda_recurrent(*x)[0] ** 2), argnums=(0, 1, 2, 3, 4)))
+    gemm, gemm_fl = gemm_run()
     for T in a.T:
         x = [jnp.asarray(v) for v in inputs(T)]
-        fl = flops_forward(T)
-        row = {"T": T, "flops_forward": fl, "roofline_forward_s": fl / peak, "roofline_fwd_bwd_s": 3 * fl / peak}
-        row["chunked_forward_s"] = timed(fwd, *x, reps=a.reps)
-        row["chunked_fwd_bwd_s"] = timed(grad, *x, reps=a.reps)
+        runs = {"gemm": gemm, "chunked_forward_s": call(fwd, *x), "chunked_fwd_bwd_s": call(grad, *x),
+                "chunked_bf16_forward_s": call(fwd, *[v.astype(jnp.bfloat16) for v in x]),
+                "recurrent_forward_s": call(recurrent, *x)}
+        if T <= 4096:  # the token scan's backward stores T states: 16k would need 4 GiB
+            runs["recurrent_fwd_bwd_s"] = call(grad_recurrent, *x)
+        fla, how = (None, "skipped (--no-fla)") if a.no_fla else fla_chunk_run([np.asarray(v) for v in x])
+        if fla is not None:
+            runs["fla_naive_chunk_forward_s"] = fla
+        row = {"T": T, **interleaved(runs, a.reps), "fla_how": how}
+        peak = gemm_fl / row.pop("gemm")
+        fl, own = flops_forward(T), flops_forward(T, n_run)
+        row.update(gemm_flops_interleaved=peak, flops_forward=fl, own_flops_forward=own,
+                   roofline_forward_s=fl / peak, roofline_fwd_bwd_s=3 * fl / peak)
         row["forward_vs_roofline"] = row["chunked_forward_s"] / row["roofline_forward_s"]
         row["fwd_bwd_vs_roofline"] = row["chunked_fwd_bwd_s"] / row["roofline_fwd_bwd_s"]
-        own = flops_forward(T, n_run)
-        row["own_flops_forward"] = own
         row["own_flops_forward_vs_roofline"] = row["chunked_forward_s"] / (own / peak)
         row["own_flops_fwd_bwd_vs_roofline"] = row["chunked_fwd_bwd_s"] / (3 * own / peak)
-        row["chunked_bf16_forward_s"] = timed(fwd, *[v.astype(jnp.bfloat16) for v in x], reps=a.reps)
-        row["recurrent_forward_s"] = timed(recurrent, *x, reps=a.reps)
         row["chunked_speedup_vs_recurrent_forward"] = row["recurrent_forward_s"] / row["chunked_forward_s"]
-        if T <= 4096:  # the token scan's backward stores T states: 16k would need 4 GiB
-            row["recurrent_fwd_bwd_s"] = timed(grad_recurrent, *x, reps=a.reps)
+        if "fla_naive_chunk_forward_s" in row:
+            row["chunked_speedup_vs_fla_naive"] = row["fla_naive_chunk_forward_s"] / row["chunked_forward_s"]
         row["temp_bytes_forward"] = temp_bytes(fwd, *x)
         row["temp_bytes_grad_recompute"] = temp_bytes(grad, *x)
         row["temp_bytes_grad_stored"] = temp_bytes(grad_stored, *x)
         row["input_bytes"] = int(sum(v.nbytes for v in x))
-        if not a.no_fla:
-            s, how = fla_chunk_seconds([np.asarray(v) for v in x], a.reps)
-            row["fla_naive_chunk_forward_s"], row["fla_how"] = s, how
-            if s:
-                row["chunked_speedup_vs_fla_naive"] = s / row["chunked_forward_s"]
         res["rows"].append(row)
         print(f"T={T:>6}: chunked fwd {row['chunked_forward_s'] * 1e3:8.2f} ms ({row['forward_vs_roofline']:.1f}× "
               f"roofline), fwd+bwd {row['chunked_fwd_bwd_s'] * 1e3:8.2f} ms ({row['fwd_bwd_vs_roofline']:.1f}×); "
-              f"bf16 fwd {row['chunked_bf16_forward_s'] * 1e3:.2f} ms; recurrent fwd "
+              f"GEMM {peak / 1e9:.0f} GFLOP/s; bf16 fwd {row['chunked_bf16_forward_s'] * 1e3:.2f} ms; recurrent fwd "
               f"{row['recurrent_forward_s'] * 1e3:8.2f} ms; fla naive chunk "
               f"{(row.get('fla_naive_chunk_forward_s') or 0) * 1e3:8.2f} ms; backward temp "
               f"{row['temp_bytes_grad_recompute'] / 2**20:.0f} MiB (recompute) vs "
@@ -237,13 +266,18 @@ def main(argv: list[str] | None = None) -> dict:
         x = [jnp.asarray(v) for v in inputs(T)]
         fl = flops_forward(T)
         res["explore_T"] = T
+        compiled = {name: kernels(**kw) for name, kw in VARIANTS.items()}
+        runs = {"gemm": gemm}
+        for name, (f, gf) in compiled.items():
+            runs[(name, "forward_s")], runs[(name, "fwd_bwd_s")] = call(f, *x), call(gf, *x)
+        t = interleaved(runs, a.reps)
+        peak = gemm_fl / t.pop("gemm")
+        res["explore_gemm_flops_interleaved"] = peak
         for name, kw in VARIANTS.items():
-            f, gf = kernels(**kw)
-            v = {"variant": name, "kwargs": kw, "forward_s": timed(f, *x, reps=a.reps),
-                 "fwd_bwd_s": timed(gf, *x, reps=a.reps)}
+            v = {"variant": name, "kwargs": kw, "forward_s": t[(name, "forward_s")], "fwd_bwd_s": t[(name, "fwd_bwd_s")]}
             v["forward_vs_roofline"] = v["forward_s"] / (fl / peak)
             v["fwd_bwd_vs_roofline"] = v["fwd_bwd_s"] / (3 * fl / peak)
-            v["temp_bytes_grad"] = temp_bytes(gf, *x)
+            v["temp_bytes_grad"] = temp_bytes(compiled[name][1], *x)
             res["variants"].append(v)
             print(f"  T={T} {name:<70} fwd {v['forward_s'] * 1e3:8.2f} ms ({v['forward_vs_roofline']:5.1f}×)  "
                   f"fwd+bwd {v['fwd_bwd_s'] * 1e3:8.2f} ms ({v['fwd_bwd_vs_roofline']:5.1f}×)  "

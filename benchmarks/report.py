@@ -96,9 +96,11 @@ def t_kda(r: dict) -> str:
         cf, cb, rf, rb = (x.get(k) for k in ("chunked_forward_s", "chunked_fwd_bwd_s", "recurrent_forward_s",
                                              "recurrent_fwd_bwd_s"))
         stored = x.get("temp_bytes_grad_stored")
-        rows.append([x.get("T"), ms(cf), times(x.get("forward_vs_roofline")), ms(cb),
+        rows.append([x.get("T"), num(x.get("gemm_flops_interleaved"), ",.1f", 1e-9), ms(cf),
+                     times(x.get("forward_vs_roofline")), ms(cb),
                      times(x.get("fwd_bwd_vs_roofline")), times(x.get("own_flops_forward_vs_roofline")),
-                     times(x.get("own_flops_fwd_bwd_vs_roofline")), ms(x.get("chunked_bf16_forward_s")), ms(rf), ms(rb),
+                     times(x.get("own_flops_fwd_bwd_vs_roofline")), ms(x.get("chunked_bf16_forward_s")), ms(rf),
+                     ms(rb),
                      times(x.get("chunked_speedup_vs_recurrent_forward")), times(rb / cb if rb and cb else None),
                      ms(x.get("fla_naive_chunk_forward_s")), times(x.get("chunked_speedup_vs_fla_naive")),
                      mib(x.get("temp_bytes_forward")), mib(x.get("temp_bytes_grad_recompute", x.get("temp_bytes_grad"))),
@@ -106,13 +108,16 @@ def t_kda(r: dict) -> str:
     s = r.get("shape", {})
     fc = s.get("flops_chunk", 64)
     head = (f"Shapes B={s.get('B')}, H={s.get('H')}, K={s.get('K')}, V={s.get('V')}, chunk {s.get('chunk')}, "
-            f"{r.get('dtype', 'float32')} (bf16 column: bf16 inputs, fp32 inside); times in ms (median); "
-            f"`× roofline` = time / (FLOPs of the chunked algorithm at n={fc} / GEMM FLOP/s), fwd+bwd counted as 3× "
-            f"fwd; `own FLOPs` columns count the FLOPs of the chunk actually run (n={s.get('chunk')}); speedups = contender time / chunked time; temp MiB = XLA's compiled temporary memory of the "
-            f"forward, of forward+backward with k3jax's recomputing custom VJP, and with `jax.grad` storing the "
-            f"forward's intermediates.\n\n")
-    out = head + table(["T", "chunked fwd ms", "fwd × roofline", "chunked fwd+bwd ms", "fwd+bwd × roofline",
-                        "fwd × roofline (own FLOPs)", "fwd+bwd × roofline (own FLOPs)", "bf16 fwd ms", "recurrent fwd ms", "recurrent fwd+bwd ms", "speedup vs recurrent fwd",
+            f"{r.get('dtype', 'float32')} (bf16 column: bf16 inputs, fp32 inside); times in ms, medians of rounds "
+            f"that run every contender once in turn (the roofline's GEMM among them: column `GEMM GFLOP/s`, where "
+            f"the record has it); `× roofline` = time / (FLOPs of the chunked algorithm at n={fc} / that GEMM "
+            f"FLOP/s), fwd+bwd counted as 3× fwd; `own FLOPs` columns count the FLOPs of the chunk actually run "
+            f"(n={s.get('chunk')}); speedups = contender time / chunked time; temp MiB = XLA's compiled temporary "
+            f"memory of the forward, of forward+backward with k3jax's recomputing custom VJP, and with `jax.grad` "
+            f"storing the forward's intermediates.\n\n")
+    out = head + table(["T", "GEMM GFLOP/s", "chunked fwd ms", "fwd × roofline", "chunked fwd+bwd ms",
+                        "fwd+bwd × roofline", "fwd × roofline (own FLOPs)", "fwd+bwd × roofline (own FLOPs)",
+                        "bf16 fwd ms", "recurrent fwd ms", "recurrent fwd+bwd ms", "speedup vs recurrent fwd",
                         "speedup vs recurrent fwd+bwd", "fla naive chunk fwd ms", "speedup vs fla (fwd)",
                         "fwd temp MiB", "fwd+bwd temp MiB (recompute)", "fwd+bwd temp MiB (jax.grad)"], rows)
     if r.get("kernel_gemm_flops"):
@@ -125,7 +130,9 @@ def t_kda(r: dict) -> str:
     if r.get("variants"):
         vrows = [[v.get("variant"), ms(v.get("forward_s")), times(v.get("forward_vs_roofline")), ms(v.get("fwd_bwd_s")),
                   times(v.get("fwd_bwd_vs_roofline")), mib(v.get("temp_bytes_grad"))] for v in r["variants"]]
-        out += (f"\n\nVariants at T={r.get('explore_T')} (same FLOP count for every row):\n\n"
+        g = r.get("explore_gemm_flops_interleaved")
+        gtxt = f", GEMM {g / 1e9:,.1f} GFLOP/s in the same rounds" if g else ""
+        out += (f"\n\nVariants at T={r.get('explore_T')} (same FLOP count for every row{gtxt}):\n\n"
                 + table(["variant", "fwd ms", "fwd × roofline", "fwd+bwd ms", "fwd+bwd × roofline",
                          "fwd+bwd temp MiB"], vrows))
     return out

@@ -33,6 +33,18 @@ def inverse_unit_lower_neumann(a_strict: jax.Array) -> jax.Array:
     return t
 
 
+def _diagonal_block_inverses(a_strict: jax.Array, block: int) -> tuple[int, int, jax.Array]:
+    """``(bl, nb, D⁻¹ [..., nb, bl, bl])``: the inverses of the ``bl × bl`` diagonal blocks of ``I + A`` (Neumann
+    doubling), ``bl = min(block, n)``."""
+    n = a_strict.shape[-1]
+    bl = min(block, n)
+    if n % bl:
+        raise ValueError(f"kda_chunked: block={bl} must divide n={n}")
+    nb = n // bl
+    diag = [a_strict[..., i * bl:(i + 1) * bl, i * bl:(i + 1) * bl] for i in range(nb)]
+    return bl, nb, inverse_unit_lower_neumann(jnp.stack(diag, axis=-3))
+
+
 def solve_unit_lower(a_strict: jax.Array, rhs: jax.Array, method: str = "blocked", block: int = 16) -> jax.Array:
     """``X = (I + A)⁻¹ R`` for strictly lower-triangular ``A [..., n, n]``, ``R [..., n, m]``, batched.
 
@@ -59,12 +71,7 @@ def solve_unit_lower(a_strict: jax.Array, rhs: jax.Array, method: str = "blocked
         return jax.lax.scan(body, jnp.zeros_like(rhs), (jnp.arange(n), rows_a, rows_r))[0]
     if method != "blocked":
         raise ValueError(f"solve_unit_lower: method must be one of {SOLVES}, got {method!r}")
-    bl = min(block, n)
-    if n % bl:
-        raise ValueError(f"solve_unit_lower: block={bl} must divide n={n}")
-    nb = n // bl
-    at = a_strict.reshape(*a_strict.shape[:-2], nb, bl, nb, bl)
-    d_inv = inverse_unit_lower_neumann(jnp.stack([at[..., i, :, i, :] for i in range(nb)], axis=-3))
+    bl, nb, d_inv = _diagonal_block_inverses(a_strict, block)
     xs: list[jax.Array] = []
     for i in range(nb):
         r = rhs[..., i * bl:(i + 1) * bl, :]
@@ -111,12 +118,7 @@ def unit_lower_inverse(a_strict: jax.Array, method: str = "blocked", block: int 
         return solve_unit_lower(a_strict, jnp.broadcast_to(jnp.eye(n, dtype=a_strict.dtype), a_strict.shape), method)
     if method != "blocked":
         raise ValueError(f"kda_chunked: solve must be one of {SOLVES}, got {method!r}")
-    bl = min(block, n)
-    if n % bl:
-        raise ValueError(f"unit_lower_inverse: block={bl} must divide n={n}")
-    nb = n // bl
-    blk = lambda x, i, j: x[..., i * bl:(i + 1) * bl, j * bl:(j + 1) * bl]  # noqa: E731
-    d_inv = inverse_unit_lower_neumann(jnp.stack([blk(a_strict, i, i) for i in range(nb)], axis=-3))
+    bl, nb, d_inv = _diagonal_block_inverses(a_strict, block)
     t = d_inv[..., 0, :, :]                                                # T_{<1, <1}
     for i in range(1, nb):
         left = a_strict[..., i * bl:(i + 1) * bl, :i * bl]                 # A_{i, <i}
