@@ -193,3 +193,15 @@ def test_report_shows_kernel_gemm_rates_against_the_roofline(tmp_path):
     text = report.render(tmp_path)
     assert "GEMM rate at the kernel's own matmul shapes" in text
     assert "| [4×64×128]·[4×128×128] (W·S, Q·S) | 50.0 | 25.00% |" in text
+
+
+def test_k3jax_bench_is_the_runner_and_needs_a_checkout(capsys, monkeypatch, tmp_path):
+    from k3jax import cli
+
+    assert cli.main(["bench", "--list"]) == 0
+    out = capsys.readouterr().out
+    assert "roofline" in out and "kda" in out and "moonep" in out
+    monkeypatch.setattr(cli, "__file__", str(tmp_path / "site-packages" / "k3jax" / "cli.py"))
+    assert cli.main(["bench", "kda"]) == 2
+    err = " ".join(capsys.readouterr().out.split())
+    assert "runs the benchmarks/ folder of a source checkout" in err and "pip install -e ." in err

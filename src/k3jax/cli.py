@@ -1,4 +1,4 @@
-"""``k3jax`` command line: ``demo``, ``train``, ``generate``, ``params``, ``inspect``, ``convert``."""
+"""``k3jax`` command line: ``demo``, ``train``, ``generate``, ``params``, ``inspect``, ``convert``, ``bench``."""
 
 from __future__ import annotations
 
@@ -264,7 +264,29 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    """``python -m benchmarks.run ARGS`` of the source checkout this package is installed from (the benchmarks are
+    not part of the installed package)."""
+    root = Path(__file__).resolve().parents[2]
+    if not (root / "benchmarks" / "run.py").is_file():
+        raise FileNotFoundError(f"k3jax bench runs the benchmarks/ folder of a source checkout, and there is none at "
+                                f"{root} (clone the repository and `pip install -e .` from it)")
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    from benchmarks import run
+
+    res = run.main(list(args.args))
+    return 1 if res.get("failed") else 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:   # everything after it belongs to benchmarks.run (its own --help, --list, …)
+        try:
+            return cmd_bench(argparse.Namespace(args=argv[1:]))
+        except FileNotFoundError as e:
+            console.print(f"[red]error:[/red] {e}")
+            return 2
     p = argparse.ArgumentParser(prog="k3jax", description="The Kimi K3 architecture in JAX.")
     sub = p.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("demo", help="train the tiny preset on the embedded corpus for a few minutes, then sample")
@@ -326,6 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--expert-dtype", choices=["bfloat16", "float32", "mxfp4"], default=None,
                    help="how to hold routed experts while converting (default: as stored)")
     c.set_defaults(fn=cmd_convert)
+    sub.add_parser("bench", help="run the benchmarks of a source checkout: k3jax bench [names…] [--list] [--quick] "
+                   "[--json OUT] [--save] (= python -m benchmarks.run …)")
     args = p.parse_args(argv)
     try:
         return args.fn(args)
