@@ -1,5 +1,7 @@
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import jax
@@ -25,5 +27,27 @@ def rng():
     return np.random.default_rng(0)
 
 
+_CACHE_MADE: list[str] = []
+
+
 def pytest_configure(config):
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # One persistent XLA compilation cache for the session, here and in the subprocesses the tests start (they
+    # inherit the environment): many tests compile the same training step or forward again, in a new process or
+    # under a new jit, and on CPU that compile is most of their time. Keys are the HLO and the compile options, so
+    # a hit is the same executable; K3JAX_TEST_JAX_CACHE=DIR keeps one across runs, K3JAX_TEST_JAX_CACHE=off skips.
+    cache = os.environ.get("K3JAX_TEST_JAX_CACHE")
+    if cache == "off":
+        return
+    if not cache:
+        cache = tempfile.mkdtemp(prefix="k3jax-test-jax-cache-")
+        _CACHE_MADE.append(cache)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = cache
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "1"
+    jax.config.update("jax_compilation_cache_dir", cache)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+
+
+def pytest_unconfigure(config):
+    for d in _CACHE_MADE:
+        shutil.rmtree(d, ignore_errors=True)

@@ -159,12 +159,17 @@ def test_nan_loss_stops_with_a_clear_message(tmp_path):
 @pytest.mark.slow
 def test_resume_after_kill_is_bit_exact(tmp_path):
     """Run 8 steps straight; run again but SIGKILL at step 5 (last save at 3); resume; losses 4–8 identical."""
+    # The kill waits until the asynchronous save of step 3 has landed (its directory appears when Orbax finalizes
+    # it): how fast steps run relative to the writer is not what this test is about.
     script = textwrap.dedent("""
-        import json, os, signal, sys
+        import json, os, signal, sys, time
         from k3jax.train.loop import TrainConfig, train
         cfg = json.loads(sys.argv[1]); kill_at = int(sys.argv[2])
         def hook(step, rec):
             if step == kill_at:
+                t = time.time()
+                while not os.path.isdir(os.path.join(cfg["out"], "checkpoints", "3")) and time.time() - t < 120:
+                    time.sleep(0.05)
                 os.kill(os.getpid(), signal.SIGKILL)
         train(TrainConfig.from_dict(cfg), on_step=hook)
     """)
