@@ -96,7 +96,8 @@ def t_kda(r: dict) -> str:
         cf, cb, rf, rb = (x.get(k) for k in ("chunked_forward_s", "chunked_fwd_bwd_s", "recurrent_forward_s",
                                              "recurrent_fwd_bwd_s"))
         stored = x.get("temp_bytes_grad_stored")
-        rows.append([x.get("T"), num(x.get("gemm_flops_interleaved"), ",.1f", 1e-9), ms(cf),
+        rows.append([x.get("T"), num(x.get("gemm_flops_peak"), ",.1f", 1e-9),
+                     num(x.get("gemm_flops_interleaved"), ",.1f", 1e-9), ms(cf),
                      times(x.get("forward_vs_roofline")), ms(cb),
                      times(x.get("fwd_bwd_vs_roofline")), times(x.get("own_flops_forward_vs_roofline")),
                      times(x.get("own_flops_fwd_bwd_vs_roofline")), ms(x.get("chunked_bf16_forward_s")), ms(rf),
@@ -109,13 +110,14 @@ def t_kda(r: dict) -> str:
     fc = s.get("flops_chunk", 64)
     head = (f"Shapes B={s.get('B')}, H={s.get('H')}, K={s.get('K')}, V={s.get('V')}, chunk {s.get('chunk')}, "
             f"{r.get('dtype', 'float32')} (bf16 column: bf16 inputs, fp32 inside); times in ms, medians of rounds "
-            f"that run every contender once in turn (the roofline's GEMM among them: column `GEMM GFLOP/s`, where "
-            f"the record has it); `× roofline` = time / (FLOPs of the chunked algorithm at n={fc} / that GEMM "
+            f"that run every contender once in turn, the roofline's GEMM among them (where the record has them: "
+            f"`peak` = its best round or the run's best-of-5 roofline, whichever is higher; `median` = its median "
+            f"over the rounds); `× roofline` = time / (FLOPs of the chunked algorithm at n={fc} / peak GEMM "
             f"FLOP/s), fwd+bwd counted as 3× fwd; `own FLOPs` columns count the FLOPs of the chunk actually run "
             f"(n={s.get('chunk')}); speedups = contender time / chunked time; temp MiB = XLA's compiled temporary "
             f"memory of the forward, of forward+backward with k3jax's recomputing custom VJP, and with `jax.grad` "
             f"storing the forward's intermediates.\n\n")
-    out = head + table(["T", "GEMM GFLOP/s", "chunked fwd ms", "fwd × roofline", "chunked fwd+bwd ms",
+    out = head + table(["T", "peak GEMM GFLOP/s", "median GEMM GFLOP/s", "chunked fwd ms", "fwd × roofline", "chunked fwd+bwd ms",
                         "fwd+bwd × roofline", "fwd × roofline (own FLOPs)", "fwd+bwd × roofline (own FLOPs)",
                         "bf16 fwd ms", "recurrent fwd ms", "recurrent fwd+bwd ms", "speedup vs recurrent fwd",
                         "speedup vs recurrent fwd+bwd", "fla naive chunk fwd ms", "speedup vs fla (fwd)",
@@ -130,8 +132,8 @@ def t_kda(r: dict) -> str:
     if r.get("variants"):
         vrows = [[v.get("variant"), ms(v.get("forward_s")), times(v.get("forward_vs_roofline")), ms(v.get("fwd_bwd_s")),
                   times(v.get("fwd_bwd_vs_roofline")), mib(v.get("temp_bytes_grad"))] for v in r["variants"]]
-        g = r.get("explore_gemm_flops_interleaved")
-        gtxt = f", GEMM {g / 1e9:,.1f} GFLOP/s in the same rounds" if g else ""
+        g, gm = r.get("explore_gemm_flops_peak"), r.get("explore_gemm_flops_interleaved")
+        gtxt = f", against a peak GEMM of {g / 1e9:,.1f} GFLOP/s (median {gm / 1e9:,.1f} in these rounds)" if g else ""
         out += (f"\n\nVariants at T={r.get('explore_T')} (same FLOP count for every row{gtxt}):\n\n"
                 + table(["variant", "fwd ms", "fwd × roofline", "fwd+bwd ms", "fwd+bwd × roofline",
                          "fwd+bwd temp MiB"], vrows))

@@ -123,10 +123,10 @@ def test_report_renders_tables_commands_gpu_and_missing(tmp_path):
     assert text.startswith(report.BEGIN) and text.rstrip().endswith(report.END)
     assert "do not" in text and "edit it by hand" in text and "2048×2048" in text and "256 MiB" in text
     # one table per file; the GPU record separately, with its device and command
-    assert text.count("| T | GEMM GFLOP/s | chunked fwd ms | fwd × roofline |") == 2
+    assert text.count("| T | peak GEMM GFLOP/s | median GEMM GFLOP/s | chunked fwd ms | fwd × roofline |") == 2
     assert "### kda\n" in text and "### kda — GPU (NVIDIA H200)" in text
     assert "`python -m benchmarks.run --save kda # on gpu` (= `python -m benchmarks.kda`)" in text
-    assert ("| 1024 | — | 66.0 | 24.40× | 356.0 | 44.00× | — | — | — | 49.0 | 200.0 | 0.74× | 0.56× | — | — | 46.0 | "
+    assert ("| 1024 | — | — | 66.0 | 24.40× | 356.0 | 44.00× | — | — | — | 49.0 | 200.0 | 0.74× | 0.56× | — | — | 46.0 | "
             "349.0 | — |") in text
     assert text.index("### kda\n") < text.index("### kda — GPU") < text.index("### model")
     assert "| tiny | forward | 2,833,100 | 8×128 | 154.0 | 5.7 | 6,666 | 3.76e+06 | 10.48% |" in text

@@ -530,8 +530,7 @@ def _kda_fused_bwd(cfg, res, cts):
     xs = (q, k, v, g, beta, reset)
     B, L = beta.shape[0], cfg.bc * cfg.n
 
-    def step(carry, i):
-        dS, grads = carry
+    def step(dS, i):
         x_in = _block_in(cfg, xs, i)
         bc, G = x_in[0].shape[:2]
         if cfg.intra_vjp == "autodiff":
@@ -557,14 +556,13 @@ def _kda_fused_bwd(cfg, res, cts):
         d_aqk = _mm("pnv,psv->pns", _flat(do_b), _flat(U))
         dq, dk, dv, dg, db = pull((d_aqk, dU_f, d_w, d_qdec, d_krest, d_decay))
         dq = dq * cfg.scale
-        grads = tuple(jax.lax.dynamic_update_slice_in_dim(
-            buf, _block_out(x.reshape(bc, G, *x.shape[1:]), B).astype(buf.dtype), i * L, axis=1)
-            for buf, x in zip(grads, (dq, dk, dv, dg, db)))
-        return (dS, grads), None
+        return dS, tuple(_block_out(x.reshape(bc, G, *x.shape[1:]), B).astype(buf.dtype)
+                         for buf, x in zip(xs, (dq, dk, dv, dg, db)))
 
     dS_last = jnp.zeros_like(S_starts[0]) if dS_final is None else dS_final.astype(S_starts.dtype)
-    zeros = tuple(jnp.zeros(x.shape, x.dtype) for x in xs[:5])
-    (dS0, grads), _ = jax.lax.scan(step, (dS_last, zeros), jnp.arange(S_starts.shape[0]), reverse=True)
+    # gradients leave as the scan's stacked outputs [blocks, B, bc·n, H, ·] (written once, no zeroed buffer first)
+    dS0, grads = jax.lax.scan(step, dS_last, jnp.arange(S_starts.shape[0]), reverse=True)
+    grads = tuple(jnp.moveaxis(gr, 0, 1).reshape(x.shape) for gr, x in zip(grads, xs))
     return (*grads, None, dS0)
 
 
