@@ -1,6 +1,7 @@
 """Chunked KDA (spec §4.3): the training/prefill fast path, mathematically identical to
 :func:`k3jax.ops.kda.kda_recurrent` (its slow reference) — intra-chunk pass in 16-token tiles, unit-triangular
-solve, state carried across chunks, a recomputing custom VJP, and the variants timed in ``benchmarks/kda.py``.
+inverse, state carried across chunks, a recomputing custom VJP (with a hand-written backward of the intra-chunk
+pass), and the variants timed in ``benchmarks/kda.py``.
 """
 
 from __future__ import annotations
