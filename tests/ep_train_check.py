@@ -1,6 +1,7 @@
 """Under 8 simulated CPU devices: ``train`` on mesh data=2,expert=4 (MoonEP) vs one device; prints the losses."""
 
 import json
+import logging
 import os
 import sys
 import tempfile
@@ -11,19 +12,38 @@ import jax  # noqa: E402
 from k3jax.train.loop import TrainConfig, train  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+jax.config.update("jax_log_compiles", True)
+STEP_COMPILES = []
+
+
+class _CountStepCompiles(logging.Handler):
+    """Counts the compilations of the jitted training step (jax_log_compiles logs one record per compile)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "Compiling jit(step)" in record.getMessage():
+            STEP_COMPILES.append(record)
+
+
+logging.getLogger("jax").addHandler(_CountStepCompiles())
+logging.getLogger("jax").propagate = False     # the compile log goes to the counter, not to stderr
 
 
 def losses(mesh: str, method: str, steps: int, stop: int | None = None) -> list[float]:
     from rich.console import Console
 
     out = []
+    STEP_COMPILES.clear()
     with tempfile.TemporaryDirectory() as d:
         c = TrainConfig.load(None, [f"out={d}", "model=test", f"steps={steps}", "batch_size=8", "seq_len=32",
                                     "eval_every=1000", f"save_every={steps}", "resume=false", "progress=false",
                                     f"mesh={mesh}", f"ep_method={method}", "corpus_bytes=200000"])
         train(c, console=Console(file=open(os.devnull, "w")), stop_after=stop,
               on_step=lambda s, r: out.append(r["loss"]))
+    COMPILES[mesh or "single"] = len(STEP_COMPILES)
     return out
+
+
+COMPILES: dict[str, int] = {}
 
 
 if __name__ == "__main__":
@@ -31,4 +51,5 @@ if __name__ == "__main__":
     res = {"single": losses("", "moonep", steps), "moonep": losses("data=2,expert=4", "moonep", steps)}
     if len(sys.argv) > 2:
         res["fsdp_tensor"] = losses("fsdp=2,expert=2,tensor=2", "moonep", steps, stop=6)  # same schedule, 6 steps
+    res["step_compiles"] = COMPILES         # per mesh: how often the training step compiled in that run
     print(json.dumps(res))

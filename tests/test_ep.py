@@ -89,6 +89,8 @@ def test_training_on_a_data2_expert4_mesh_follows_one_device(train_results):
     for a, c in zip(d["single"], d["fsdp_tensor"]):
         assert abs(a - c) <= 1e-5 * abs(a), (a, c)
     assert d["single"][-1] < d["single"][0]                 # and it is learning
+    # the step returns its state with the shardings it was given, so step 2 reuses step 1's executable
+    assert d["step_compiles"] == {"single": 1, "data=2,expert=4": 1, "fsdp=2,expert=2,tensor=2": 1}
 
 
 @pytest.mark.slow

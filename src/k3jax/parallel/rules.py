@@ -79,6 +79,19 @@ def batch_sharding(mesh: jax.sharding.Mesh, batch: int) -> NamedSharding:
     return NamedSharding(mesh, P(axes if axes and batch % size == 0 else None))
 
 
+def replicate_unplaced(tree, mesh: jax.sharding.Mesh):
+    """Arrays of ``tree`` not already laid out on ``mesh`` (e.g. an optimizer's step counter) → replicated on it."""
+    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    def place(x):
+        sh = getattr(x, "sharding", None)
+        if isinstance(sh, jax.sharding.NamedSharding) and sh.mesh == mesh:
+            return x
+        return jax.device_put(x, rep)
+
+    return jax.tree.map(place, tree)
+
+
 def shard_pure(tree, mesh: jax.sharding.Mesh):
     """Place every array of a pure (nested dict) parameter tree by :func:`param_sharding` of its key path."""
     def place(path, x):
