@@ -206,7 +206,7 @@ def test_gradients_with_resets_match_recurrent(rng, gate, recompute, kw):
 
 @pytest.mark.parametrize("method", ["blocked", "neumann", "rowscan", "triangular_solve"])
 def test_unit_lower_solve_matches_numpy(rng, method):
-    from k3jax.ops.kda_chunked import solve_unit_lower
+    from k3jax.ops.unit_lower import solve_unit_lower
 
     a = np.tril(rng.normal(size=(3, 64, 64)) * 0.15, -1).astype(np.float32)
     r = rng.normal(size=(3, 64, 20)).astype(np.float32)
@@ -217,7 +217,7 @@ def test_unit_lower_solve_matches_numpy(rng, method):
 
 @pytest.mark.parametrize("method", ["blocked", "neumann", "rowscan", "triangular_solve"])
 def test_unit_lower_inverse_matches_numpy(rng, method):
-    from k3jax.ops.kda_chunked import unit_lower_inverse
+    from k3jax.ops.unit_lower import unit_lower_inverse
 
     a = np.tril(rng.normal(size=(3, 64, 64)) * 0.15, -1).astype(np.float32)
     ref = np.linalg.inv(a.astype(np.float64) + np.eye(64))                          # LAPACK, fp64
