@@ -17,6 +17,12 @@ the recomputing custom VJP vs ``jax.grad`` of the same forward storing its inter
 variant (fused vs separate passes, block, chunk size, solve, cumsum, cross-chunk scan, recompute, the hand-written
 intra-chunk VJP vs autodiff, the first version) at one length. Also recorded: the GEMM rate at the kernel's own
 matmul shapes (``kernel_gemm_flops``).
+
+With several host devices (``benchmarks.run`` splits the CPU into one per core; run directly, this module does
+the same) the default kernel also runs with its heads split over them (``k3jax.parallel.heads``; XLA:CPU runs
+each batched matmul on one core, so one device leaves the kernel's per-chunk matmuls on one core while the
+roofline GEMM uses all): rows ``chunked_heads_*``, ratios against the same FLOP count and the same peak GEMM
+(which then includes the GEMM split over the devices too), and its largest difference from the one-device output.
 """
 
 from __future__ import annotations
@@ -34,8 +40,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.roofline import machine
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
 from k3jax.ops.kda import kda_recurrent
 from k3jax.ops.kda_chunked import kda_chunked
+from k3jax.parallel.heads import head_mesh, kda_chunked_over_heads
 
 B, H, K, V, N = 1, 4, 128, 128, 64
 
@@ -150,22 +160,30 @@ def interleaved(runs: dict[str, Callable[[], object]], reps: int) -> dict[str, l
     return ts
 
 
-def medians_and_peak(ts: dict[str, list[float]], gemm_flops: float, roofline: float) -> tuple[dict, float, float]:
-    """``(median seconds per contender, the GEMM's median FLOP/s in these rounds, the peak)``: the peak the ratios
-    use is the best GEMM rate seen in the run (its best round, or the runner's best-of-5 roofline if higher) — the
-    machine's capability, not its rate in a slow spell."""
-    g = ts.pop("gemm")
-    return ({k: statistics.median(v) for k, v in ts.items()}, gemm_flops / statistics.median(g),
-            max(roofline, gemm_flops / min(g)))
+def medians_and_peak(ts: dict[str, list[float]], gemms: dict[str, float], roofline: float) -> tuple[dict, float, float]:
+    """``(median seconds per contender, the one-device GEMM's median FLOP/s in these rounds, the peak)``: the peak
+    the ratios use is the best GEMM rate seen in the run (the best round of any of the ``gemms`` contenders —
+    ``{name: FLOPs}``, the one-device GEMM and the one split over the host devices — or the runner's best-of-5
+    roofline if higher): the machine's capability, not its rate in a slow spell."""
+    g = {name: ts.pop(name) for name in gemms}
+    peak = max([roofline] + [fl / min(g[name]) for name, fl in gemms.items()])
+    return {k: statistics.median(v) for k, v in ts.items()}, gemms["gemm"] / statistics.median(g["gemm"]), peak
 
 
-def gemm_run() -> tuple[Callable[[], object], float]:
-    """The roofline's GEMM (``benchmarks.roofline.gemm_flops``'s shape and precision) as a contender: (callable,
-    FLOPs), timed inside each interleaved round so the ratios use the machine's rate during those rounds."""
+def gemm_runs() -> tuple[dict[str, Callable[[], object]], dict[str, float]]:
+    """The roofline's GEMMs (``benchmarks.roofline``'s shape and precision) as contenders — on one device
+    (``gemm``) and, with several devices, its rows split over them (``gemm_over_devices``) — ``({name: callable},
+    {name: FLOPs})``, timed inside each interleaved round so the ratios use the machine's rate during those rounds."""
     n = 2048 if jax.default_backend() == "cpu" else 8192
     a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
     mm = jax.jit(lambda x, y: jnp.matmul(x, y, precision=jax.lax.Precision.HIGHEST))
-    return (lambda: jax.block_until_ready(mm(a, a))), 2.0 * n ** 3
+    runs = {"gemm": lambda: jax.block_until_ready(mm(a, a))}
+    d = max(c for c in range(1, jax.device_count() + 1) if n % c == 0)
+    if d > 1:
+        mesh = Mesh(np.array(jax.devices()[:d]), ("rows",))
+        x, y = jax.device_put(a, NamedSharding(mesh, P("rows", None))), jax.device_put(a, NamedSharding(mesh, P()))
+        runs["gemm_over_devices"] = lambda: jax.block_until_ready(mm(x, y))
+    return runs, dict.fromkeys(runs, 2.0 * n ** 3)
 
 
 def call(f, *x) -> Callable[[], object]:
@@ -183,6 +201,19 @@ def kernels(**kw):
     fwd = lambda *x: fn(*x, **kw)[0]  # noqa: E731
     loss = lambda *x: jnp.sum(fwd(*x).astype(jnp.float32) ** 2)  # noqa: E731
     return jax.jit(fwd), jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+
+
+def heads_kernels(mesh: Mesh):
+    """``(forward, forward+backward)`` of the default kernel with the heads split over ``mesh``
+    (:func:`k3jax.parallel.heads.kda_chunked_over_heads`), jitted; the loss is ``Σ o²``."""
+    fwd = lambda *x: kda_chunked_over_heads(*x, mesh=mesh, safe_gate=True)[0]  # noqa: E731
+    loss = lambda *x: jnp.sum(fwd(*x) ** 2)  # noqa: E731
+    return jax.jit(fwd), jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+
+
+def on_heads(mesh: Mesh, x: list) -> list:
+    """The inputs placed as the head-split kernel takes them (H over the mesh), so no transfer is timed."""
+    return [jax.device_put(v, NamedSharding(mesh, P(None, None, "heads", *([None] * (v.ndim - 3))))) for v in x]
 
 
 def temp_bytes(f, *x) -> int:
@@ -235,14 +266,22 @@ def main(argv: list[str] | None = None) -> dict:
     _, grad_stored = kernels(recompute=False)
     recurrent = jax.jit(lambda *x: kda_recurrent(*x)[0])
     grad_recurrent = jax.jit(jax.grad(lambda *x: jnp.sum(kda_recurrent(*x)[0] ** 2), argnums=(0, 1, 2, 3, 4)))
-    gemm, gemm_fl = gemm_run()
+    gemms, gemm_fl = gemm_runs()
+    mesh = head_mesh(H)
+    hd = mesh.shape["heads"]
+    res["host_devices"], res["heads_devices"] = jax.device_count(), hd
+    if hd > 1:
+        hfwd, hgrad = heads_kernels(mesh)
     for T in a.T:
         x = [jnp.asarray(v) for v in inputs(T)]
-        runs = {"gemm": gemm, "chunked_forward_s": call(fwd, *x), "chunked_fwd_bwd_s": call(grad, *x),
+        runs = {**gemms, "chunked_forward_s": call(fwd, *x), "chunked_fwd_bwd_s": call(grad, *x),
                 "chunked_bf16_forward_s": call(fwd, *[v.astype(jnp.bfloat16) for v in x]),
                 "recurrent_forward_s": call(recurrent, *x)}
         if T <= 4096:  # the token scan's backward stores T states: 16k would need 4 GiB
             runs["recurrent_fwd_bwd_s"] = call(grad_recurrent, *x)
+        if hd > 1:
+            xh = on_heads(mesh, x)
+            runs["chunked_heads_forward_s"], runs["chunked_heads_fwd_bwd_s"] = call(hfwd, *xh), call(hgrad, *xh)
         fla, how = (None, "skipped (--no-fla)") if a.no_fla else fla_chunk_run([np.asarray(v) for v in x])
         if fla is not None:
             runs["fla_naive_chunk_forward_s"] = fla
@@ -255,6 +294,13 @@ def main(argv: list[str] | None = None) -> dict:
         row["fwd_bwd_vs_roofline"] = row["chunked_fwd_bwd_s"] / row["roofline_fwd_bwd_s"]
         row["own_flops_forward_vs_roofline"] = row["chunked_forward_s"] / (own / peak)
         row["own_flops_fwd_bwd_vs_roofline"] = row["chunked_fwd_bwd_s"] / (3 * own / peak)
+        if hd > 1:
+            row["heads_forward_vs_roofline"] = row["chunked_heads_forward_s"] / row["roofline_forward_s"]
+            row["heads_fwd_bwd_vs_roofline"] = row["chunked_heads_fwd_bwd_s"] / row["roofline_fwd_bwd_s"]
+            row["heads_speedup_forward"] = row["chunked_forward_s"] / row["chunked_heads_forward_s"]
+            row["heads_speedup_fwd_bwd"] = row["chunked_fwd_bwd_s"] / row["chunked_heads_fwd_bwd_s"]
+            row["heads_max_abs_diff"] = float(jnp.max(jnp.abs(hfwd(*xh) - fwd(*x))))
+            row["temp_bytes_grad_heads_per_device"] = temp_bytes(hgrad, *xh)
         row["chunked_speedup_vs_recurrent_forward"] = row["recurrent_forward_s"] / row["chunked_forward_s"]
         if "fla_naive_chunk_forward_s" in row:
             row["chunked_speedup_vs_fla_naive"] = row["fla_naive_chunk_forward_s"] / row["chunked_forward_s"]
@@ -263,6 +309,11 @@ def main(argv: list[str] | None = None) -> dict:
         row["temp_bytes_grad_stored"] = temp_bytes(grad_stored, *x)
         row["input_bytes"] = int(sum(v.nbytes for v in x))
         res["rows"].append(row)
+        if hd > 1:
+            print(f"T={T:>6}: heads over {hd} host devices: fwd {row['chunked_heads_forward_s'] * 1e3:8.2f} ms "
+                  f"({row['heads_forward_vs_roofline']:.2f}× roofline), fwd+bwd "
+                  f"{row['chunked_heads_fwd_bwd_s'] * 1e3:8.2f} ms ({row['heads_fwd_bwd_vs_roofline']:.2f}×); "
+                  f"max |Δo| vs one device {row['heads_max_abs_diff']:.1e}", flush=True)
         print(f"T={T:>6}: chunked fwd {row['chunked_forward_s'] * 1e3:8.2f} ms ({row['forward_vs_roofline']:.1f}× "
               f"roofline), fwd+bwd {row['chunked_fwd_bwd_s'] * 1e3:8.2f} ms ({row['fwd_bwd_vs_roofline']:.1f}×); "
               f"GEMM {g_med / 1e9:.0f} (best {peak / 1e9:.0f}) GFLOP/s; bf16 fwd {row['chunked_bf16_forward_s'] * 1e3:.2f} ms; recurrent fwd "
@@ -277,16 +328,21 @@ def main(argv: list[str] | None = None) -> dict:
         fl = flops_forward(T)
         res["explore_T"] = T
         compiled = {name: kernels(**kw) for name, kw in VARIANTS.items()}
-        runs = {"gemm": gemm}
+        placed = dict.fromkeys(compiled, x)
+        if hd > 1:
+            name = f"default, heads over {hd} host devices (k3jax.parallel.heads)"
+            compiled[name], placed[name] = (hfwd, hgrad), on_heads(mesh, x)
+        runs = dict(gemms)
         for name, (f, gf) in compiled.items():
-            runs[(name, "forward_s")], runs[(name, "fwd_bwd_s")] = call(f, *x), call(gf, *x)
+            runs[(name, "forward_s")], runs[(name, "fwd_bwd_s")] = call(f, *placed[name]), call(gf, *placed[name])
         t, g_med, peak = medians_and_peak(interleaved(runs, a.reps), gemm_fl, m["gemm_flops_fp32"])
         res["explore_gemm_flops_interleaved"], res["explore_gemm_flops_peak"] = g_med, peak
-        for name, kw in VARIANTS.items():
+        for name in compiled:
+            kw = VARIANTS.get(name, {"heads_devices": hd})
             v = {"variant": name, "kwargs": kw, "forward_s": t[(name, "forward_s")], "fwd_bwd_s": t[(name, "fwd_bwd_s")]}
             v["forward_vs_roofline"] = v["forward_s"] / (fl / peak)
             v["fwd_bwd_vs_roofline"] = v["fwd_bwd_s"] / (3 * fl / peak)
-            v["temp_bytes_grad"] = temp_bytes(compiled[name][1], *x)
+            v["temp_bytes_grad"] = temp_bytes(compiled[name][1], *placed[name])
             res["variants"].append(v)
             print(f"  T={T} {name:<70} fwd {v['forward_s'] * 1e3:8.2f} ms ({v['forward_vs_roofline']:5.1f}×)  "
                   f"fwd+bwd {v['fwd_bwd_s'] * 1e3:8.2f} ms ({v['fwd_bwd_vs_roofline']:5.1f}×)  "
@@ -297,4 +353,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
+    from k3jax.parallel.heads import host_device_flag
+
+    host_device_flag()      # before JAX starts its backends: one CPU device per core
     main()

@@ -84,9 +84,11 @@ def table(headers: list[str], rows: list[list[Any]]) -> str:
 
 # ---------------------------------------------------------------------------------------------- per benchmark
 def t_roofline(r: dict) -> str:
-    return table(["device", "backend", "devices", "fp32 GEMM GFLOP/s (HIGHEST; 2048² CPU, 8192² GPU)",
-                  "memory GB/s (256 MiB add)"],
+    return table(["device", "backend", "devices", "fp32 GEMM GFLOP/s (HIGHEST; 2048² CPU, 8192² GPU; the better of "
+                  "the two next)", "on one device", "rows split over the devices", "memory GB/s (256 MiB add)"],
                  [[r.get("device"), r.get("backend"), r.get("devices"), num(r.get("gemm_flops_fp32"), ",.1f", 1e-9),
+                   num(r.get("gemm_flops_fp32_one_device"), ",.1f", 1e-9),
+                   num(r.get("gemm_flops_fp32_over_devices"), ",.1f", 1e-9),
                    num(r.get("memory_bytes_per_s"), ",.1f", 1e-9)]])
 
 
@@ -106,6 +108,12 @@ def t_kda(r: dict) -> str:
                      ms(x.get("fla_naive_chunk_forward_s")), times(x.get("chunked_speedup_vs_fla_naive")),
                      mib(x.get("temp_bytes_forward")), mib(x.get("temp_bytes_grad_recompute", x.get("temp_bytes_grad"))),
                      mib(stored)])
+    hd = r.get("heads_devices") or 1
+    if hd > 1:          # the head-split kernel's columns go right after the one-device kernel's
+        for row, x in zip(rows, r.get("rows", [])):
+            row[7:7] = [ms(x.get("chunked_heads_forward_s")), times(x.get("heads_forward_vs_roofline")),
+                        ms(x.get("chunked_heads_fwd_bwd_s")), times(x.get("heads_fwd_bwd_vs_roofline")),
+                        num(x.get("heads_max_abs_diff"), ".1e")]
     s = r.get("shape", {})
     fc = s.get("flops_chunk", 64)
     head = (f"Shapes B={s.get('B')}, H={s.get('H')}, K={s.get('K')}, V={s.get('V')}, chunk {s.get('chunk')}, "
@@ -117,8 +125,16 @@ def t_kda(r: dict) -> str:
             f"(n={s.get('chunk')}); speedups = contender time / chunked time; temp MiB = XLA's compiled temporary "
             f"memory of the forward, of forward+backward with k3jax's recomputing custom VJP, and with `jax.grad` "
             f"storing the forward's intermediates.\n\n")
-    out = head + table(["T", "peak GEMM GFLOP/s", "median GEMM GFLOP/s", "chunked fwd ms", "fwd × roofline", "chunked fwd+bwd ms",
-                        "fwd+bwd × roofline", "fwd × roofline (own FLOPs)", "fwd+bwd × roofline (own FLOPs)",
+    cols = ["T", "peak GEMM GFLOP/s", "median GEMM GFLOP/s", "chunked fwd ms", "fwd × roofline", "chunked fwd+bwd ms",
+            "fwd+bwd × roofline"]
+    if hd > 1:
+        head += (f"`heads over {hd} devices` columns: the same kernel with its heads split over {hd} host CPU devices "
+                 f"(`k3jax.parallel.heads.kda_chunked_over_heads`; the runner splits the CPU into one device per "
+                 f"core), against the same FLOP count and peak (the peak then also includes the GEMM split over "
+                 f"the devices); `max |Δo|` = its largest difference from the one-device output.\n\n")
+        cols += [f"heads over {hd} devices: fwd ms", "fwd × roofline", "fwd+bwd ms", "fwd+bwd × roofline",
+                 "max |Δo|"]
+    out = head + table(cols + ["fwd × roofline (own FLOPs)", "fwd+bwd × roofline (own FLOPs)",
                         "bf16 fwd ms", "recurrent fwd ms", "recurrent fwd+bwd ms", "speedup vs recurrent fwd",
                         "speedup vs recurrent fwd+bwd", "fla naive chunk fwd ms", "speedup vs fla (fwd)",
                         "fwd temp MiB", "fwd+bwd temp MiB (recompute)", "fwd+bwd temp MiB (jax.grad)"], rows)

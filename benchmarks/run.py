@@ -5,7 +5,8 @@
 Names (``--list`` shows them): by default the main suite (roofline, kda, model); the slower ones run when named
 (``inference`` names all four inference benchmarks). The roofline (``benchmarks.roofline.machine()``: fp32 GEMM
 FLOP/s at full fp32 precision, 2048² on CPU and 8192² on an accelerator, and the bandwidth of a 256 MiB add) is measured once at the start and shared by every benchmark
-run in this process. Each benchmark is its module's ``main(argv)``; ``moonep`` (8 simulated devices) and
+run in this process. On CPU the runner first splits the host into one XLA device per core (``--host-devices``;
+arrays stay on the first device unless a benchmark spreads them, as kda's head-parallel rows do). Each benchmark is its module's ``main(argv)``; ``moonep`` (8 simulated devices) and
 ``inference_prefill`` (peak RSS) run in a process of their own. ``--quick`` passes small sizes (a smoke run of a
 few minutes; ``--save`` then needs ``--save-dir`` elsewhere, so that stored figures are never replaced by smoke
 ones); ``--args NAME='…'`` replaces a benchmark's arguments. Every record gets ``command`` (this command),
@@ -101,6 +102,18 @@ def resolve(names: list[str]) -> list[str]:
     return out
 
 
+_CHILD_XLA_FLAGS: list[str | None] = []   # XLA_FLAGS as this process found them, for the isolated children
+
+
+def host_devices(count: int) -> None:
+    """Split the host into ``count`` CPU devices (0: one per core) before JAX starts its backends here; the
+    isolated children get the environment as it was (they set their own device counts)."""
+    from k3jax.parallel.heads import host_device_flag
+
+    _CHILD_XLA_FLAGS.append(os.environ.get("XLA_FLAGS"))
+    host_device_flag(count or None)
+
+
 def call(b: Bench, argv: list[str]) -> dict:
     """The benchmark's record: its ``main(argv)`` here, or in a child process (``--json`` to a temporary file)."""
     if not b.isolated:
@@ -108,6 +121,10 @@ def call(b: Bench, argv: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "out.json"
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+        if _CHILD_XLA_FLAGS:
+            env.pop("XLA_FLAGS", None)
+            if _CHILD_XLA_FLAGS[0] is not None:
+                env["XLA_FLAGS"] = _CHILD_XLA_FLAGS[0]
         subprocess.run([sys.executable, "-m", f"benchmarks.{b.module}", *argv, "--json", str(out)], cwd=ROOT,
                        env=env, check=True)
         return json.loads(out.read_text())
@@ -128,6 +145,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--json", default=None, help="write the combined record here")
     ap.add_argument("--save", action="store_true", help="write each record to <save-dir>/results_<stem>.json")
     ap.add_argument("--save-dir", default=None, help="where --save writes (default: benchmarks/)")
+    ap.add_argument("--host-devices", type=int, default=0, metavar="N",
+                    help="split the CPU into N XLA devices (default 0: one per core this process may use; 1: one "
+                         "device). Arrays stay on the first one unless a benchmark spreads them (the kda rows "
+                         "'heads over N host devices'). Ignored if XLA_FLAGS already sets a count")
     ap.add_argument("--args", action="append", default=[], metavar="NAME=ARGS",
                     help="replace a benchmark's arguments, e.g. --args 'model=--presets tiny --steps 3'")
     a = ap.parse_args(argv)
@@ -146,6 +167,7 @@ def main(argv: list[str] | None = None) -> dict:
             ap.error(f"--args {s!r}: expected NAME=ARGS with NAME one of {', '.join(BENCHMARKS)}")
         override[n] = shlex.split(rest)
 
+    host_devices(a.host_devices)
     from benchmarks.roofline import machine
 
     m = machine()

@@ -1,6 +1,7 @@
 """The benchmark runner, the README report and benchmarks.model's bookkeeping — cheap: nothing is timed for real."""
 
 import json
+import os
 import subprocess
 import sys
 import types
@@ -15,6 +16,15 @@ from benchmarks import report, run  # noqa: E402
 
 MACHINE = {"machine": "x86_64", "processor": "x86_64", "python": "3.11.7", "jax": "0.10.2", "backend": "cpu",
            "device": "cpu", "devices": 1, "gemm_flops_fp32": 2.0e11, "memory_bytes_per_s": 8.0e9}
+
+
+@pytest.fixture(autouse=True)
+def _restore_xla_flags(monkeypatch):
+    """``run.main`` splits the host into devices through ``XLA_FLAGS`` (no effect here, JAX has started): undo it,
+    so that the subprocesses of later tests see the environment they would have."""
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))   # records the original (or its absence)
+    if not os.environ["XLA_FLAGS"]:
+        monkeypatch.delenv("XLA_FLAGS")
 
 
 def test_list_names_every_benchmark_without_running_any():
@@ -205,3 +215,31 @@ def test_k3jax_bench_is_the_runner_and_needs_a_checkout(capsys, monkeypatch, tmp
     assert cli.main(["bench", "kda"]) == 2
     err = " ".join(capsys.readouterr().out.split())
     assert "runs the benchmarks/ folder of a source checkout" in err and "pip install -e ." in err
+
+
+def test_runner_splits_the_host_but_isolated_children_get_the_environment_as_it_was(fake_bench, monkeypatch,
+                                                                                   tmp_path):
+    monkeypatch.setattr(run, "_CHILD_XLA_FLAGS", [])
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=false")
+    seen = {}
+
+    def fake_run(cmd, cwd, env, check):
+        seen["env"] = env
+        Path(cmd[-1]).write_text(json.dumps({"benchmark": "iso"}))
+
+    monkeypatch.setattr(run.subprocess, "run", fake_run)
+    monkeypatch.setitem(run.BENCHMARKS, "iso", run.Bench("_fake", "isolated", "iso", isolated=True))
+    run.main(["fake", "iso", "--host-devices", "3", "--json", str(tmp_path / "all.json")])
+    assert os.environ["XLA_FLAGS"] == "--xla_cpu_enable_fast_math=false --xla_force_host_platform_device_count=3"
+    assert seen["env"]["XLA_FLAGS"] == "--xla_cpu_enable_fast_math=false"
+
+
+def test_kda_peak_is_the_best_round_of_any_gemm_and_medians_exclude_them():
+    from benchmarks.kda import medians_and_peak
+
+    ts = {"gemm": [2.0, 1.0, 4.0], "gemm_over_devices": [0.5, 3.0, 3.0], "chunked_forward_s": [1.0, 3.0, 2.0]}
+    med, g_med, peak = medians_and_peak(ts, {"gemm": 10.0, "gemm_over_devices": 10.0}, roofline=15.0)
+    assert med == {"chunked_forward_s": 2.0}
+    assert g_med == 10.0 / 2.0                  # the one-device GEMM's median round
+    assert peak == 10.0 / 0.5                   # its best round over both GEMMs, above the runner's roofline
+    assert medians_and_peak({"gemm": [1.0], "x": [1.0]}, {"gemm": 10.0}, roofline=15.0)[2] == 15.0

@@ -278,3 +278,42 @@ def test_bad_settings_are_named():
         kda_chunked(z, z, z, z, jnp.zeros((1, 64, 1)), solve="lu")
     with pytest.raises(ValueError, match=r"intra_vjp must be 'manual' or 'autodiff', got 'x'"):
         kda_chunked(z, z, z, z, jnp.zeros((1, 64, 1)), intra_vjp="x")
+
+
+@pytest.mark.slow
+def test_heads_split_over_two_host_devices_equal_one_device_and_numpy():
+    """``k3jax.parallel.heads``: outputs, final state and gradients of the head-split kernel on 2 CPU devices equal
+    the one-device kernel's exactly (same code per head), match the float64 NumPy recurrence of the independent
+    reference and ``kda_recurrent``'s gradients; bad meshes are named."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    res = subprocess.run([sys.executable, str(Path(__file__).with_name("kda_heads_check.py"))], capture_output=True,
+                         text=True, timeout=600, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["devices"] == 2 and out["mesh"] == {"heads": 2}
+    assert out["output_split_over"] == ["P(None, None, 'heads')", "P(None, 'heads')"]
+    assert out["vs_one_device"] == {"o": 0.0, "S": 0.0}
+    assert out["vs_numpy_float64"] <= 1e-5
+    assert all(v == 0.0 for v in out["grad_vs_one_device"].values()), out["grad_vs_one_device"]
+    assert all(v <= 1e-4 for v in out["grad_vs_recurrent"].values()), out["grad_vs_recurrent"]
+    assert "3 heads do not split over 2 devices" in out["errors"]["heads_not_divisible"]
+    assert "no 'tensor'" in out["errors"]["no_such_axis"]
+    assert out["head_mesh_of_3_heads"] == {"heads": 1}
+
+
+def test_host_device_flag_adds_the_count_once_and_keeps_other_flags():
+    from k3jax.parallel.heads import host_device_flag
+
+    env = {"XLA_FLAGS": "--xla_cpu_enable_fast_math=false"}
+    assert host_device_flag(3, env) == 3
+    assert env["XLA_FLAGS"] == "--xla_cpu_enable_fast_math=false --xla_force_host_platform_device_count=3"
+    assert host_device_flag(5, env) == 3                         # a count already there wins
+    assert env["XLA_FLAGS"].count("device_count") == 1
+    empty: dict = {}
+    assert host_device_flag(None, empty) >= 1 and "device_count=" in empty["XLA_FLAGS"]
