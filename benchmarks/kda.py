@@ -1,6 +1,6 @@
 """Chunked KDA forward and forward+backward against the recurrent scan, the first version and fla's naive chunk.
 
-    .venv/bin/python -m benchmarks.kda [--T 1024 4096 16384] [--explore-T 4096] [--reps 5] [--no-fla] [--json out.json]
+    .venv/bin/python -m benchmarks.kda [--T 1024 4096 16384] [--explore-T 4096] [--reps 5] [--settle 0.5] [--no-fla] [--json out.json]
 
 Shapes B=1, H=4, K=V=128, lower-bound gate (K3), fp32 (plus one bf16-input row). FLOPs are counted once, from the
 chunked algorithm at the reference chunk n=64 (fla's, and k3jax's on accelerators; per chunk and head: decayed K·Kᵀ
@@ -145,15 +145,23 @@ def timed(f, *args, reps: int) -> float:
     return statistics.median(ts)
 
 
-def interleaved(runs: dict[str, Callable[[], object]], reps: int) -> dict[str, list[float]]:
+def interleaved(runs: dict[str, Callable[[], object]], reps: int, settle: float = 0.0) -> dict[str, list[float]]:
     """Seconds of each ``runs`` callable (each blocks until its result is ready) in every round: one warm-up call
     each, then ``reps`` rounds that call every one once in turn, so that a slow spell of a shared machine falls on
-    all contenders of a round alike instead of on whichever happened to run then."""
+    all contenders of a round alike instead of on whichever happened to run then. With ``settle > 0`` each timed
+    call is preceded by ``settle`` seconds of sleep and one untimed call of the same contender: right after a
+    contender that touched a lot of memory (the recurrent backward stores 1 GiB of states at T=4096) the next one
+    ran up to 2× slower for a few hundred ms on a 2-core machine, whichever it was, and the first call after a
+    pause runs ~15% slower than the next (both measured), so without this one contender is charged for its
+    neighbour."""
     for f in runs.values():
         f()
     ts: dict[str, list[float]] = {k: [] for k in runs}
     for _ in range(reps):
         for k, f in runs.items():
+            if settle > 0:
+                time.sleep(settle)
+                f()
             t = time.perf_counter()
             f()
             ts[k].append(time.perf_counter() - t)
@@ -249,6 +257,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--T", type=int, nargs="+", default=[1024, 4096, 16384])
     ap.add_argument("--explore-T", type=int, default=4096, help="length for the variant table (0: skip it)")
     ap.add_argument("--reps", type=int, default=5, help="interleaved rounds (median of each contender)")
+    ap.add_argument("--settle", type=float, default=0.5,
+                    help="before every timed call: this many seconds of sleep, then one untimed call of the same "
+                         "contender, so one contender's aftermath does not land on the next (0: neither; "
+                         "default %(default)s)")
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
@@ -285,7 +297,7 @@ def main(argv: list[str] | None = None) -> dict:
         fla, how = (None, "skipped (--no-fla)") if a.no_fla else fla_chunk_run([np.asarray(v) for v in x])
         if fla is not None:
             runs["fla_naive_chunk_forward_s"] = fla
-        med, g_med, peak = medians_and_peak(interleaved(runs, a.reps), gemm_fl, m["gemm_flops_fp32"])
+        med, g_med, peak = medians_and_peak(interleaved(runs, a.reps, a.settle), gemm_fl, m["gemm_flops_fp32"])
         row = {"T": T, **med, "fla_how": how}
         fl, own = flops_forward(T), flops_forward(T, n_run)
         row.update(gemm_flops_interleaved=g_med, gemm_flops_peak=peak, flops_forward=fl, own_flops_forward=own,
@@ -335,7 +347,7 @@ def main(argv: list[str] | None = None) -> dict:
         runs = dict(gemms)
         for name, (f, gf) in compiled.items():
             runs[(name, "forward_s")], runs[(name, "fwd_bwd_s")] = call(f, *placed[name]), call(gf, *placed[name])
-        t, g_med, peak = medians_and_peak(interleaved(runs, a.reps), gemm_fl, m["gemm_flops_fp32"])
+        t, g_med, peak = medians_and_peak(interleaved(runs, a.reps, a.settle), gemm_fl, m["gemm_flops_fp32"])
         res["explore_gemm_flops_interleaved"], res["explore_gemm_flops_peak"] = g_med, peak
         for name in compiled:
             kw = VARIANTS.get(name, {"heads_devices": hd})

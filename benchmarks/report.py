@@ -42,7 +42,9 @@ make bench                                             # = the two commands belo
 
 **Roofline.** Every figure is set against the machine it was measured on, in the same process:
 `benchmarks.roofline` measures the fp32 GEMM FLOP/s of a jitted 2048×2048 @ 2048×2048 (8192² on an accelerator) at
-full fp32 precision (`Precision.HIGHEST`, as the KDA kernels run; no TF32) and the memory bandwidth of a jitted `x + 1` over 256 MiB of fp32 (read + write counted), best of 5 after warm-up. `× roofline` is the measured
+full fp32 precision (`Precision.HIGHEST`, as the KDA kernels run; no TF32) and the memory bandwidth of a jitted `x + 1` over 256 MiB of fp32 (read + write counted), best of 5 after warm-up. On CPU the runner splits the host into one
+XLA device per core; the GEMM is then also timed with its rows split over the devices, and the better of the two
+is the roofline. `× roofline` is the measured
 time over the FLOP-bound time (FLOPs / GEMM FLOP/s; 1× would be GEMM speed); MFU is model FLOPs per token ×
 tokens/s / the GEMM FLOP/s. Contenders (the recurrent scan, fla, transformers, the dropless exchange, the sign
 update) run in the same process on the same inputs.
@@ -131,9 +133,9 @@ def t_kda(r: dict) -> str:
         head += (f"`heads over {hd} devices` columns: the same kernel with its heads split over {hd} host CPU devices "
                  f"(`k3jax.parallel.heads.kda_chunked_over_heads`; the runner splits the CPU into one device per "
                  f"core), against the same FLOP count and peak (the peak then also includes the GEMM split over "
-                 f"the devices); `max |Δo|` = its largest difference from the one-device output.\n\n")
-        cols += [f"heads over {hd} devices: fwd ms", "fwd × roofline", "fwd+bwd ms", "fwd+bwd × roofline",
-                 "max |Δo|"]
+                 f"the devices); `max abs Δo` = its largest difference from the one-device output.\n\n")
+        cols += [f"heads over {hd} devices: fwd ms", "heads: fwd × roofline", "heads: fwd+bwd ms",
+                 "heads: fwd+bwd × roofline", "heads: max abs Δo"]
     out = head + table(cols + ["fwd × roofline (own FLOPs)", "fwd+bwd × roofline (own FLOPs)",
                         "bf16 fwd ms", "recurrent fwd ms", "recurrent fwd+bwd ms", "speedup vs recurrent fwd",
                         "speedup vs recurrent fwd+bwd", "fla naive chunk fwd ms", "speedup vs fla (fwd)",

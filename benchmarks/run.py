@@ -51,7 +51,7 @@ BENCHMARKS: dict[str, Bench] = {
     "roofline": Bench("roofline", "fp32 GEMM FLOP/s (2048²) and memory bandwidth (256 MiB add)", "roofline",
                       default=True),
     "kda": Bench("kda", "chunked KDA forward / forward+backward vs the recurrent scan and fla's naive chunk",
-                 "kda", quick=("--T", "1024", "--explore-T", "1024", "--reps", "1", "--no-fla"), default=True),
+                 "kda", quick=("--T", "1024", "--explore-T", "1024", "--reps", "1", "--settle", "0.1", "--no-fla"), default=True),
     "model": Bench("model", "tokens/s and MFU of a training step, a jitted forward and the engine's prefill",
                    "model", quick=("--presets", "tiny", "--steps", "2"), default=True),
     "train": Bench("train_throughput", "training-step tokens/s and MFU (MFU against a 1024² GEMM)",

@@ -243,3 +243,16 @@ def test_kda_peak_is_the_best_round_of_any_gemm_and_medians_exclude_them():
     assert g_med == 10.0 / 2.0                  # the one-device GEMM's median round
     assert peak == 10.0 / 0.5                   # its best round over both GEMMs, above the runner's roofline
     assert medians_and_peak({"gemm": [1.0], "x": [1.0]}, {"gemm": 10.0}, roofline=15.0)[2] == 15.0
+
+
+def test_kda_interleaved_rounds_settle_with_an_untimed_call_before_each_timed_one(monkeypatch):
+    from benchmarks import kda
+
+    calls: list[str] = []
+    monkeypatch.setattr(kda.time, "sleep", lambda s: calls.append(f"sleep {s}"))
+    ts = kda.interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, reps=2, settle=0.5)
+    assert {k: len(v) for k, v in ts.items()} == {"a": 2, "b": 2}
+    assert calls == ["a", "b"] + ["sleep 0.5", "a", "a", "sleep 0.5", "b", "b"] * 2
+    calls.clear()
+    kda.interleaved({"a": lambda: calls.append("a")}, reps=2)
+    assert calls == ["a"] * 3
