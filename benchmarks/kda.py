@@ -14,7 +14,7 @@ FLOP-roofline time (FLOPs / the best fp32 GEMM FLOP/s seen in the run: its best 
 runner's best-of-5 roofline, ``gemm_flops_peak``; the GEMM's median in the rounds is ``gemm_flops_interleaved``),
 and XLA's compiled temporary memory of the backward with
 the recomputing custom VJP vs ``jax.grad`` of the same forward storing its intermediates (``recompute=False``). ``--explore-T`` times each
-variant (fused vs separate passes, block, chunk size, solve, cumsum, cross-chunk scan, recompute, the hand-written
+variant (fused vs separate passes, block, chunk size, sub-tile size, solve, cumsum, cross-chunk scan, recompute, the hand-written
 intra-chunk VJP vs autodiff, the first version) at one length. Also recorded: the GEMM rate at the kernel's own
 matmul shapes (``kernel_gemm_flops``).
 
@@ -62,6 +62,9 @@ VARIANTS: dict[str, dict] = {
     "chunk 32": {"chunk_size": 32},
     "chunk 64": {"chunk_size": 64},
     "chunk 128": {"chunk_size": 128},
+    "sub-tile 8": {"sub_chunk": 8},
+    "sub-tile 32 (one tile per chunk; the −5 bound cannot factor its exponentials, so diagonal tiles pairwise)":
+        {"sub_chunk": 32, "safe_gate": False},
     "fused, blocks of 8 pairs": {"block": 8},
     "fused, blocks of 64 pairs": {"block": 64},
     "separate passes (intra for all chunks, then a state scan, then outputs; blocks of 64 pairs)":

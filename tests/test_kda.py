@@ -160,7 +160,7 @@ def test_document_resets(rng, gate):
 
 
 # ------------------------------------------------------------------------------ fast-path variants (issue 7)
-@pytest.mark.parametrize("kw", [dict(chunk_size=16), dict(chunk_size=64), dict(chunk_size=128),
+@pytest.mark.parametrize("kw", [dict(chunk_size=16), dict(chunk_size=64), dict(chunk_size=128), dict(sub_chunk=8),
                                 dict(solve="neumann"), dict(solve="rowscan"), dict(solve="triangular_solve"),
                                 dict(cumsum="native"),
                                 dict(cumsum="matmul"), dict(scan="scan"), dict(scan="affine"),
