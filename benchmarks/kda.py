@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.roofline import machine
+from benchmarks.roofline import gemm_runs, machine
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -181,22 +181,6 @@ def medians_and_peak(ts: dict[str, list[float]], gemms: dict[str, float], roofli
     return {k: statistics.median(v) for k, v in ts.items()}, gemms["gemm"] / statistics.median(g["gemm"]), peak
 
 
-def gemm_runs() -> tuple[dict[str, Callable[[], object]], dict[str, float]]:
-    """The roofline's GEMMs (``benchmarks.roofline``'s shape and precision) as contenders — on one device
-    (``gemm``) and, with several devices, its rows split over them (``gemm_over_devices``) — ``({name: callable},
-    {name: FLOPs})``, timed inside each interleaved round so the ratios use the machine's rate during those rounds."""
-    n = 2048 if jax.default_backend() == "cpu" else 8192
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-    mm = jax.jit(lambda x, y: jnp.matmul(x, y, precision=jax.lax.Precision.HIGHEST))
-    runs = {"gemm": lambda: jax.block_until_ready(mm(a, a))}
-    d = max(c for c in range(1, jax.device_count() + 1) if n % c == 0)
-    if d > 1:
-        mesh = Mesh(np.array(jax.devices()[:d]), ("rows",))
-        x, y = jax.device_put(a, NamedSharding(mesh, P("rows", None))), jax.device_put(a, NamedSharding(mesh, P()))
-        runs["gemm_over_devices"] = lambda: jax.block_until_ready(mm(x, y))
-    return runs, dict.fromkeys(runs, 2.0 * n ** 3)
-
-
 def call(f, *x) -> Callable[[], object]:
     return lambda: jax.block_until_ready(f(*x))
 
@@ -281,7 +265,8 @@ def main(argv: list[str] | None = None) -> dict:
     _, grad_stored = kernels(recompute=False)
     recurrent = jax.jit(lambda *x: kda_recurrent(*x)[0])
     grad_recurrent = jax.jit(jax.grad(lambda *x: jnp.sum(kda_recurrent(*x)[0] ** 2), argnums=(0, 1, 2, 3, 4)))
-    gemms, gemm_fl = gemm_runs()
+    gemms, fl_gemm = gemm_runs()       # timed in every round, so the ratios use the machine's rate then
+    gemm_fl = dict.fromkeys(gemms, fl_gemm)
     mesh = head_mesh(H)
     hd = mesh.shape["heads"]
     res["host_devices"], res["heads_devices"] = jax.device_count(), hd

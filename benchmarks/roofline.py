@@ -14,16 +14,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 from pathlib import Path
 import time
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from k3jax.parallel.heads import host_cores
 
 
 def _best(f, *args, reps: int = 5) -> float:
@@ -36,25 +38,32 @@ def _best(f, *args, reps: int = 5) -> float:
     return best
 
 
-def gemm_flops(n: int | None = None, dtype=jnp.float32) -> float:
-    """FLOP/s of a jitted ``n×n @ n×n`` at ``Precision.HIGHEST`` (best of 5); n = 2048 on CPU, 8192 elsewhere."""
+def gemm_runs(n: int | None = None, dtype=jnp.float32) -> tuple[dict[str, Callable[[], object]], float]:
+    """The roofline's GEMM, a jitted ``n×n @ n×n`` at ``Precision.HIGHEST`` (n = 2048 on CPU, 8192 elsewhere), as
+    zero-argument calls that block until done: ``gemm`` on one device and, with several devices,
+    ``gemm_over_devices`` with the left factor's rows split over as many as divide n; ``({name: call}, FLOPs)``."""
     n = n or (2048 if jax.default_backend() == "cpu" else 8192)
     a = jax.random.normal(jax.random.key(0), (n, n), dtype)
     mm = jax.jit(lambda x, y: jnp.matmul(x, y, precision=jax.lax.Precision.HIGHEST))
-    return 2 * n**3 / _best(mm, a, a)
+    runs = {"gemm": lambda: jax.block_until_ready(mm(a, a))}
+    d = max(c for c in range(1, jax.device_count() + 1) if n % c == 0)
+    if d > 1:
+        mesh = Mesh(np.array(jax.devices()[:d]), ("rows",))
+        x, y = jax.device_put(a, NamedSharding(mesh, P("rows", None))), jax.device_put(a, NamedSharding(mesh, P()))
+        runs["gemm_over_devices"] = lambda: jax.block_until_ready(mm(x, y))
+    return runs, 2.0 * n**3
+
+
+def gemm_flops(n: int | None = None, dtype=jnp.float32) -> float:
+    """FLOP/s of the one-device GEMM of :func:`gemm_runs` (best of 5)."""
+    runs, flops = gemm_runs(n, dtype)
+    return flops / _best(runs["gemm"])
 
 
 def gemm_flops_over_devices(n: int | None = None, dtype=jnp.float32) -> float | None:
-    """FLOP/s of the same GEMM with the left factor's rows split over every device (best of 5); None on one device."""
-    if jax.device_count() < 2:
-        return None
-    n = n or (2048 if jax.default_backend() == "cpu" else 8192)
-    d = max(c for c in range(1, jax.device_count() + 1) if n % c == 0)
-    mesh = Mesh(np.array(jax.devices()[:d]), ("rows",))
-    a = jax.random.normal(jax.random.key(0), (n, n), dtype)
-    x, y = jax.device_put(a, NamedSharding(mesh, P("rows", None))), jax.device_put(a, NamedSharding(mesh, P()))
-    mm = jax.jit(lambda x, y: jnp.matmul(x, y, precision=jax.lax.Precision.HIGHEST))
-    return 2 * n**3 / _best(mm, x, y)
+    """FLOP/s of the GEMM with its rows split over the devices (best of 5); None on one device."""
+    runs, flops = gemm_runs(n, dtype)
+    return flops / _best(runs["gemm_over_devices"]) if "gemm_over_devices" in runs else None
 
 
 def memory_bandwidth(mib: int = 256) -> float:
@@ -80,7 +89,7 @@ def _measure() -> dict:
     return {"machine": platform.machine(), "processor": platform.processor() or platform.machine(),
             "python": platform.python_version(), "jax": jax.__version__, "backend": jax.default_backend(),
             "device": str(jax.devices()[0].device_kind), "devices": jax.device_count(),
-            "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+            "cpus": host_cores(),
             "gemm_flops_fp32": max(one, over or 0.0), "gemm_flops_fp32_one_device": one,
             "gemm_flops_fp32_over_devices": over, "memory_bytes_per_s": memory_bandwidth()}
 

@@ -23,6 +23,11 @@ from k3jax.ops.kda_chunked import kda_chunked
 _FLAG = "--xla_force_host_platform_device_count"
 
 
+def host_cores() -> int:
+    """The CPU cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def host_device_flag(count: int | None = None, env: dict | None = None) -> int:
     """Ask XLA for ``count`` CPU devices (default: the cores this process may use) by adding
     ``--xla_force_host_platform_device_count`` to ``XLA_FLAGS`` in ``env`` (default ``os.environ``), unless the flag
@@ -34,7 +39,7 @@ def host_device_flag(count: int | None = None, env: dict | None = None) -> int:
     if m:
         return int(m.group(1))
     if count is None:
-        count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        count = host_cores()
     env["XLA_FLAGS"] = f"{flags} {_FLAG}={count}".strip()
     return count
 
