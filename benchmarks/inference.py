@@ -38,7 +38,8 @@ from flax import nnx
 from k3jax import K3Config, K3ForCausalLM
 from k3jax.costs import decode_state
 from k3jax.infer import Engine
-from k3jax.infer.cache import cache_bytes, init_cache, length_bucket
+from k3jax.infer.engine import length_bucket
+from k3jax.nn.cache import cache_bytes, init_cache
 
 
 def machine() -> dict:
@@ -58,14 +59,15 @@ def variant(kind: str, max_len: int) -> K3Config:
 
 def filled_cache(cfg: K3Config, context: int, extra: int, chunk: int, seed: int = 0):
     """A batch-1 cache holding ``context`` tokens of random latents and random (bounded) KDA state."""
-    caches = init_cache(cfg, 1, length_bucket(context + extra, chunk))
+    cache = init_cache(cfg, 1, length_bucket(context + extra, chunk))
     key = jax.random.key(seed)
-    out = []
-    for i, c in enumerate(caches):
+    layers = []
+    for i, c in enumerate(cache.layers):
         k = jax.random.fold_in(key, i)
-        out.append(tuple((0.1 * jax.random.normal(jax.random.fold_in(k, j), x.shape)).astype(x.dtype)
-                         for j, x in enumerate(c)))
-    return out
+        leaves, tree = jax.tree.flatten(c)
+        layers.append(jax.tree.unflatten(tree, [(0.1 * jax.random.normal(jax.random.fold_in(k, j), x.shape))
+                                                .astype(x.dtype) for j, x in enumerate(leaves)]))
+    return dataclasses.replace(cache, layers=tuple(layers), lengths=jnp.full((1,), context, jnp.int32))
 
 
 def bench_decode(contexts: list[int], steps: int, kinds: list[str]) -> list[dict]:
@@ -75,20 +77,18 @@ def bench_decode(contexts: list[int], steps: int, kinds: list[str]) -> list[dict
         model = K3ForCausalLM(cfg, rngs=nnx.Rngs(0))
         engine = Engine(model, chunk=256)
         for ctx in contexts:
-            caches = filled_cache(cfg, ctx, steps + 8, 256)
-            tok, pos = jnp.zeros((1,), jnp.int32), jnp.full((1,), ctx, jnp.int32)
+            cache = filled_cache(cfg, ctx, steps + 8, 256)
+            tok = jnp.zeros((1,), jnp.int32)
             args = (jax.random.key(0), jnp.float32(0), jnp.int32(0), jnp.float32(1))
             times = []
             for i in range(steps + 3):
                 t = time.perf_counter()
-                tok, _, caches = engine._decode(engine.state, caches, tok, pos, *args)
+                tok, _, cache = engine._decode(engine.state, cache, tok, *args)
                 tok.block_until_ready()
                 if i >= 3:
                     times.append(time.perf_counter() - t)
-                pos = pos + 1
             lat = statistics.median(times)
-            rows.append({"model": kind, "context": ctx, "bucket": int(caches[-1][0].shape[1]) if cfg.layer_types[-1]
-                         == "mla" else None, "latency_ms": 1e3 * lat, "tokens_per_s": 1 / lat,
+            rows.append({"model": kind, "context": ctx, "bucket": cache.capacity or None, "latency_ms": 1e3 * lat, "tokens_per_s": 1 / lat,
                          "compiles": dict(engine.traces)})
             print(f"decode {kind:>9} context {ctx:>6}: {1e3 * lat:7.2f} ms/token ({1 / lat:6.1f} tokens/s)",
                   flush=True)
@@ -180,11 +180,11 @@ def bench_prefill(tokens: int, chunk: int) -> dict:
             print(f"  prefill {n:>7}/{total} tokens, {el:7.1f} s, peak RSS "
                   f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB", flush=True)
 
-    caches, last, lengths = engine.prefill([ids], 1, progress=progress)
+    cache, last, lengths = engine.prefill([ids], 1, progress=progress)
     last.block_until_ready()
     secs = time.perf_counter() - t
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    cb = cache_bytes(caches)
+    cb = cache_bytes(cache)
     res = {"tokens": tokens, "chunk": chunk, "seconds": secs, "tokens_per_s": tokens / secs,
            "peak_rss_bytes": rss, "rss_before_prefill_bytes": rss0, "cache_bytes": cb,
            "finite_logits": bool(np.isfinite(np.asarray(last)).all()), "compiles": dict(engine.traces)}

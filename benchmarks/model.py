@@ -74,7 +74,7 @@ def bench_preset(preset: str, modes: list[str], steps: int, peak: float, shape: 
     fpt = flops_per_token(cfg, train_seq=T)["forward"]
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (B, T)).astype(np.int32)
     if "forward" in modes:
-        fwd = jax.jit(lambda st, x: nnx.merge(graphdef, st)(x))
+        fwd = jax.jit(lambda st, x: nnx.merge(graphdef, st)(x).logits)
         x = jax.numpy.asarray(ids)
         first, med = timed(lambda: jax.block_until_ready(fwd(state, x)), steps)
         out.append(row(preset, "forward", B, T, first, med, fpt, peak, n_params))

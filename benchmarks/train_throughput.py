@@ -22,9 +22,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.costs import flops_per_token
-from k3jax.train.data import ByteTokenizer, Dataset, stdlib_corpus
+from k3jax.tokenizer import ByteTokenizer
+from k3jax.train.data import Dataset, stdlib_corpus
 from k3jax.train.loop import TrainConfig, gemm_peak_flops, make_step, model_config
-from k3jax.train.optim import make_optimizer
+from k3jax.train.optim import make_optimizer, muon_dims_tree
 
 SHAPES = {"tiny": (8, 128), "100m": (4, 256)}
 
@@ -41,7 +42,7 @@ def bench(preset: str, steps: int, peak: float, shape: tuple[int, int] | None = 
     model = K3ForCausalLM(cfg, rngs=nnx.Rngs(0))
     g, p_st, r_st = nnx.split(model, nnx.Param, ...)
     params, rest = nnx.to_pure_dict(p_st), nnx.to_pure_dict(r_st)
-    opt = make_optimizer(params, c.steps, c.optim)
+    opt = make_optimizer(muon_dims_tree(p_st), c.steps, c.optim)
     ost = opt.init(params)
     step, _ = make_step(g, p_st, r_st, opt, c, cfg)
     times = []

@@ -88,14 +88,14 @@ def test_one_update_balances_a_skewed_router(rng):
 def test_bias_is_causal_and_frozen_at_eval():
     """Step t selects with the bias computed from step t−1; eval forward leaves the bias alone."""
     from k3jax.train.loop import TrainConfig, make_step
-    from k3jax.train.optim import make_optimizer
+    from k3jax.train.optim import make_optimizer, muon_dims_tree
 
     cfg = K3Config.from_preset("test")
     model = K3ForCausalLM(cfg, rngs=nnx.Rngs(0))
     g, p_st, r_st = nnx.split(model, nnx.Param, ...)
     params, rest = nnx.to_pure_dict(p_st), nnx.to_pure_dict(r_st)
     c = TrainConfig(model="test", steps=3, balance="quantile")
-    opt = make_optimizer(params, 3, c.optim)
+    opt = make_optimizer(muon_dims_tree(p_st), 3, c.optim)
     step, eval_step = make_step(g, p_st, r_st, opt, c, cfg)
     rng = np.random.default_rng(0)
     ids = jnp.asarray(rng.integers(0, 512, (2, 16)), jnp.int32)
@@ -106,7 +106,7 @@ def test_bias_is_causal_and_frozen_at_eval():
     assert not np.allclose(b_before, b_after)                         # an update was computed from this batch …
     # … but this step's routing used the old bias: counts equal a forward with the old bias
     m_old = nnx.merge(g, p_st, r_st)
-    np.testing.assert_array_equal(m1["counts"], m_old.forward(ids, segment_ids=batch["segment_ids"]).expert_counts)
+    np.testing.assert_array_equal(m1["counts"], m_old(ids, segment_ids=batch["segment_ids"]).expert_counts)
     # eval reads the bias without changing it
     eval_step(p1, rest1, batch)
     np.testing.assert_array_equal(rest1["model"]["layers"][1]["block_sparse_moe"]["e_score_correction_bias"],

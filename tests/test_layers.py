@@ -150,7 +150,7 @@ def test_model_tiny_preset_runs_with_grad():
     ids = jnp.tile(jnp.arange(16, dtype=jnp.int32)[None], (2, 1))
 
     def loss(m):
-        logits = m(ids[:, :-1])
+        logits = m(ids[:, :-1]).logits
         return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), ids[:, 1:, None], -1))
 
     val, grads = nnx.value_and_grad(loss)(model)

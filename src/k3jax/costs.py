@@ -24,7 +24,6 @@ import numpy as np
 from flax import nnx
 
 from k3jax.config import K3Config
-from k3jax.nn.layers import BalanceState
 from k3jax.params import abstract_model, parameter_table
 
 CONTEXTS = (4096, 131072, 1048576)
@@ -39,8 +38,7 @@ def weight_bytes(cfg: K3Config) -> dict[str, int]:
         if expert_dtype == "mxfp4" and cfg.num_experts and (c.expert_in_dim % 32 or c.moe_intermediate_size % 32):
             continue
         _, state = nnx.split(abstract_model(c))
-        out[label] = int(sum(math.prod(v.shape) * np.dtype(v.dtype).itemsize for _, v in nnx.to_flat_state(state)
-                             if not isinstance(v, BalanceState)))
+        out[label] = int(sum(math.prod(v.shape) * np.dtype(v.dtype).itemsize for _, v in nnx.to_flat_state(state)))
     return out
 
 

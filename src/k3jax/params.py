@@ -14,7 +14,6 @@ import jax
 from flax import nnx
 
 from k3jax.config import K3Config
-from k3jax.nn.layers import BalanceState
 from k3jax.nn.model import K3ForCausalLM
 
 
@@ -61,8 +60,6 @@ def parameter_table(cfg: K3Config) -> ParamTable:
     _, state = nnx.split(abstract_model(cfg))
     comps: dict[str, int] = {}
     for path, var in nnx.to_flat_state(state):
-        if isinstance(var, BalanceState):       # training-time bookkeeping, not a weight
-            continue
         n = math.prod(var.shape)
         name = _component(path, cfg)
         comps[name] = comps.get(name, 0) + n

@@ -8,6 +8,7 @@ MLA, and each row then decodes from its own position.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -17,9 +18,18 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from k3jax.infer.cache import cache_bytes, init_cache, length_bucket
 from k3jax.infer.sampling import check_sampling, sample_next
+from k3jax.nn.cache import cache_bytes, init_cache
 from k3jax.nn.model import K3ForCausalLM
+
+MIN_BUCKET = 256
+
+
+def length_bucket(n: int, chunk: int, minimum: int = MIN_BUCKET) -> int:
+    """The preallocated cache length for ``n`` tokens: the next power of two ≥ n (≥ ``minimum``), a multiple of
+    the prefill ``chunk``."""
+    L = max(minimum, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
+    return -(-L // chunk) * chunk
 
 
 class GenerationError(ValueError):
@@ -51,19 +61,19 @@ class Engine:
         self._sample = jax.jit(sample_next)
 
     # ------------------------------------------------------------------------------------------- jitted steps
-    def _prefill_impl(self, state, ids, caches, pos, n_new, all_logits: bool = False):
+    def _prefill_impl(self, state, ids, cache, n_new, all_logits: bool = False):
         self.traces["prefill"] += 1                           # runs at trace time only: counts compilations
-        logits, caches = nnx.merge(self.graphdef, state).forward_cached(ids, caches, pos, n_new)
+        out = nnx.merge(self.graphdef, state)(ids, cache=cache, n_new=n_new)
         if all_logits:
-            return logits, caches
-        last = jnp.take_along_axis(logits, jnp.clip(n_new - 1, 0)[:, None, None], axis=1)[:, 0]
-        return last, caches
+            return out.logits, out.cache
+        last = jnp.take_along_axis(out.logits, jnp.clip(n_new - 1, 0)[:, None, None], axis=1)[:, 0]
+        return last, out.cache
 
-    def _decode_impl(self, state, caches, tok, pos, key, temperature, top_k, top_p):
+    def _decode_impl(self, state, cache, tok, key, temperature, top_k, top_p):
         self.traces["decode"] += 1
-        logits, caches = nnx.merge(self.graphdef, state).forward_cached(tok[:, None], caches, pos,
-                                                                        jnp.ones_like(pos))
-        return sample_next(logits[:, 0], key, temperature, top_k, top_p), logits[:, 0], caches
+        out = nnx.merge(self.graphdef, state)(tok[:, None], cache=cache)
+        logits = out.logits[:, 0]
+        return sample_next(logits, key, temperature, top_k, top_p), logits, out.cache
 
     # ------------------------------------------------------------------------------------------------ prefill
     def check_prompts(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[np.ndarray]:
@@ -89,9 +99,9 @@ class Engine:
 
     def prefill(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 0, *, all_logits: bool = False,
                 progress: Callable[[int, int], None] | None = None):
-        """Run the prompts through the model in chunks of ``self.chunk``; returns ``(caches, logits, lengths)``
+        """Run the prompts through the model in chunks of ``self.chunk``; returns ``(cache, logits, lengths)``
         where logits are each prompt's last-token logits ``[B, vocab]`` (or ``[B, T, vocab]`` with
-        ``all_logits``) and the caches are sized for ``max_new_tokens`` more tokens."""
+        ``all_logits``) and the :class:`~k3jax.nn.cache.Cache` has room for ``max_new_tokens`` more tokens."""
         arrs = self.check_prompts(prompts, max_new_tokens)
         self.graphdef, self.state = nnx.split(self.model)     # the model's current weights (and router biases)
         B = len(arrs)
@@ -102,13 +112,13 @@ class Engine:
         ids = np.full((B, n_chunks * C), self.cfg.pad_token_id or 0, np.int32)
         for b, a in enumerate(arrs):
             ids[b, : a.size] = a
-        caches = init_cache(self.cfg, B, length_bucket(T + max_new_tokens, C))
+        cache = init_cache(self.cfg, B, length_bucket(T + max_new_tokens, C))
         last = None
         outs = []
         for c in range(n_chunks):
             n_new = np.clip(lengths - c * C, 0, C).astype(np.int32)
-            lg, caches = self._prefill(self.state, jnp.asarray(ids[:, c * C:(c + 1) * C]), caches,
-                                       jnp.full((B,), c * C, jnp.int32), jnp.asarray(n_new), all_logits=all_logits)
+            lg, cache = self._prefill(self.state, jnp.asarray(ids[:, c * C:(c + 1) * C]), cache,
+                                      jnp.asarray(n_new), all_logits=all_logits)
             if all_logits:
                 outs.append(lg)
             else:
@@ -117,7 +127,7 @@ class Engine:
             if progress is not None:
                 progress(min((c + 1) * C, T), T)
         logits = jnp.concatenate(outs, axis=1)[:, :T] if all_logits else last
-        return caches, logits, lengths
+        return cache, logits, lengths
 
     # ----------------------------------------------------------------------------------------------- generate
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, temperature: float = 0.0,
@@ -129,7 +139,7 @@ class Engine:
         check_sampling(temperature, top_k, top_p, max_new_tokens)
         B = len(prompts)
         t0 = time.perf_counter()
-        caches, logits, lengths = self.prefill(prompts, max_new_tokens, progress=progress)
+        cache, logits, lengths = self.prefill(prompts, max_new_tokens, progress=progress)
         logits.block_until_ready()
         t_prefill = time.perf_counter() - t0
         out: list[list[int]] = [[] for _ in range(B)]
@@ -143,7 +153,6 @@ class Engine:
         steps = 0
         if max_new_tokens:
             tok = self._sample(logits, jax.random.fold_in(key, 0), temp, tk, tp)
-            pos = jnp.asarray(lengths)
             for i in range(max_new_tokens):
                 host = np.asarray(tok)
                 for b in range(B):
@@ -154,9 +163,7 @@ class Engine:
                         done[b] = int(host[b]) in stops
                 if done.all() or i + 1 == max_new_tokens:
                     break
-                tok, _, caches = self._decode(self.state, caches, tok, pos, jax.random.fold_in(key, i + 1), temp,
-                                              tk, tp)
-                pos = pos + 1
+                tok, _, cache = self._decode(self.state, cache, tok, jax.random.fold_in(key, i + 1), temp, tk, tp)
                 steps += 1
                 if steps == 1:
                     tok.block_until_ready()
@@ -165,21 +172,16 @@ class Engine:
         t_decode = t_end - t1
         steady = (steps - 1) * B / (t_end - t_first) if steps > 1 else 0.0
         n_gen = sum(len(o) for o in out)
-        bytes_now = cache_bytes(caches)
+        bytes_now = cache_bytes(cache)
         stats = {"prefill_s": t_prefill, "prefill_tokens": int(lengths.sum()),
                  "prefill_tokens_per_s": float(lengths.sum()) / max(t_prefill, 1e-9),
                  "decode_s": t_decode, "decode_steps": steps, "generated_tokens": n_gen,
                  "decode_tokens_per_s": (steps * B) / max(t_decode, 1e-9) if steps else 0.0,
                  "decode_steady_tokens_per_s": steady,
                  "cache_bytes_per_sequence": bytes_now,
-                 "cache_bytes_in_use_per_sequence": cache_bytes(caches, int(lengths.max()) + max_new_tokens),
-                 "cache_bucket": int(caches_length(caches)), "compiles": dict(self.traces)}
+                 "cache_bytes_in_use_per_sequence": cache_bytes(cache, int(lengths.max()) + max_new_tokens),
+                 "cache_bucket": int(cache.capacity), "compiles": dict(self.traces)}
         return GenerateResult(out, lengths.tolist(), stats)
-
-
-def caches_length(caches) -> int:
-    """The preallocated token capacity of the MLA caches (0 for a KDA-only model)."""
-    return next((c[0].shape[1] for c in caches if len(c) == 2), 0)
 
 
 def generate(model: K3ForCausalLM, prompt_ids: Sequence[int] | Sequence[Sequence[int]], max_new_tokens: int,

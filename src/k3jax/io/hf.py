@@ -42,8 +42,6 @@ log = logging.getLogger("k3jax.io")
 
 PREFIX = "language_model."
 SKIP_PREFIXES = ("vision_tower.", "mm_projector.")
-# Parameters kept in fp32 whatever the model dtype (they are F32 in the release checkpoint).
-FP32_LEAVES = ("q_conv1d", "k_conv1d", "v_conv1d", "A_log", "dt_bias", "o_norm", "e_score_correction_bias")
 
 
 @dataclass(frozen=True)
@@ -439,16 +437,13 @@ def load_pretrained(path: str | Path, *, dtype: str | None = None, expert_dtype:
     def sharding_of(p: tuple, shape: tuple[int, ...]):
         if mesh is None:
             return jax.devices()[0]
-        from k3jax.parallel.rules import param_sharding
+        from k3jax.parallel.rules import named_sharding, variable_axes
 
-        return param_sharding(p, shape, mesh)
+        return named_sharding(variable_axes(targets[p]), shape, mesh)
 
     def place(p: tuple, a: np.ndarray) -> jax.Array:
-        var = targets[p]
-        dt = var.dtype
-        if a.dtype != np.uint8 and (p[-1] in FP32_LEAVES or (len(p) > 1 and p[-2] in FP32_LEAVES)):
-            dt = jnp.promote_types(var.dtype, jnp.float32)
-        return jax.device_put(np.asarray(a, dtype=dt).reshape(var.shape), sharding_of(p, var.shape))
+        var = targets[p]               # fp32 islands (conv, A_log, dt_bias, o_norm, router bias) are fp32 here
+        return jax.device_put(np.asarray(a, dtype=var.dtype).reshape(var.shape), sharding_of(p, var.shape))
 
     values: dict[tuple, jax.Array] = {}
     by_file: dict[Path, list[str]] = {}
@@ -475,11 +470,6 @@ def load_pretrained(path: str | Path, *, dtype: str | None = None, expert_dtype:
                     values[p] = _set_expert(values[p], jax.device_put(arr), np.int32(spec.expert))
             f.close()
             bar.advance(task)
-    for p in targets:
-        if p[-1] == "qb_bounds":                 # Quantile Balancing bounds follow the loaded router bias
-            from k3jax.ops.balance import bias_bounds
-
-            values[p] = bias_bounds(values[p[:-1] + ("e_score_correction_bias",)])
     items = []
     for p, var in targets.items():
         if p not in values:

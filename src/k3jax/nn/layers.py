@@ -1,4 +1,11 @@
-"""Basic parameter holders: projections (kernels stored [in…, out…]), RMSNorm, and the router-bias variable."""
+"""Basic parameter holders: projections (kernels stored [in…, out…]), RMSNorm, and the router-bias variable.
+
+Every variable carries its **logical axes** as metadata (``var.axes``: one name or None per dimension, e.g.
+``("embed", "heads", None)``), set where it is created; :mod:`k3jax.parallel.rules` maps the names to mesh axes.
+Matrices also say how Per-Head Muon treats them (``var.muon``): ``None`` (AdamW), ``"matrix"`` (one matrix: the
+first ``var.fan_in`` axes are its input) or ``"batched"`` (axes named ``heads`` / ``experts`` are batch axes, one
+matrix each). :func:`k3jax.train.optim.muon_dims` reads these; no code infers them from parameter paths.
+"""
 
 from __future__ import annotations
 
@@ -28,12 +35,21 @@ class PackedWeight(nnx.Variable):
     """Non-trainable packed storage (MXFP4 ``weight_packed`` / ``weight_scale`` bytes)."""
 
 
-class BalanceState(nnx.Variable):
-    """Non-trainable load-balancing state (Quantile Balancing's persistent histogram bounds)."""
-
-
 class RouterBias(nnx.Variable):
     """Non-trainable state: the MoE selection bias (``e_score_correction_bias``), set by load balancing."""
+
+
+Axes = tuple  # logical axis names, one (str or None) per dimension
+BATCH_AXES = ("heads", "experts")      # per-head / per-expert Muon batches over these
+
+
+def param(value: jax.Array, axes: Axes, *, muon: str | None = None, fan_in: int = 1) -> nnx.Param:
+    """An ``nnx.Param`` with its logical ``axes`` (and Muon treatment, see the module docstring) as metadata."""
+    if len(axes) != value.ndim:
+        raise ValueError(f"param: {len(axes)} logical axes {axes} for a {value.ndim}-d value {value.shape}")
+    if muon not in (None, "matrix", "batched"):
+        raise ValueError(f"param: muon must be None, 'matrix' or 'batched', got {muon!r}")
+    return nnx.Param(value, axes=tuple(axes), muon=muon, fan_in=fan_in)
 
 
 def as_tuple(x: int | tuple[int, ...]) -> tuple[int, ...]:
@@ -44,14 +60,19 @@ class Proj(nnx.Module):
     """Bias-free linear map ``y = x · W`` with ``W`` of shape ``in_shape + out_shape``.
 
     Heads live on their own axes (e.g. ``[hidden, heads, head_dim]``), so per-head optimisers and sharding rules
-    see them; the ``in_shape`` axes are contracted with the trailing axes of ``x``.
+    see them; the ``in_shape`` axes are contracted with the trailing axes of ``x``. ``axes``: the kernel's logical
+    axes (inputs then outputs); ``muon``: ``"batched"`` (per head when an axis is named ``heads``), ``"matrix"``
+    or ``None`` (AdamW).
     """
 
-    def __init__(self, in_shape: int | tuple[int, ...], out_shape: int | tuple[int, ...], *, dtype: jnp.dtype,
-                 init_std: float, keys: KeyGen):
+    def __init__(self, in_shape: int | tuple[int, ...], out_shape: int | tuple[int, ...], *, axes: Axes,
+                 dtype: jnp.dtype, init_std: float, keys: KeyGen, muon: str | None = "batched"):
         self.in_shape, self.out_shape = as_tuple(in_shape), as_tuple(out_shape)
         shape = self.in_shape + self.out_shape
-        self.kernel = nnx.Param(init_std * jax.random.normal(keys(), shape, jnp.float32).astype(dtype))
+        if muon == "batched" and not any(a in BATCH_AXES for a in axes):
+            muon = "matrix"
+        self.kernel = param(init_std * jax.random.normal(keys(), shape, jnp.float32).astype(dtype), axes,
+                            muon=muon, fan_in=len(self.in_shape))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         ni, no = len(self.in_shape), len(self.out_shape)
@@ -71,7 +92,7 @@ class RMSNorm(nnx.Module):
 
     def __init__(self, dim: int, eps: float, *, dtype: jnp.dtype):
         self.eps = eps
-        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.weight = param(jnp.ones((dim,), dtype), (None,))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         from k3jax.ops.norm import rms_norm

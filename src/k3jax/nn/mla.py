@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.config import K3Config
+from k3jax.nn.cache import MLACache
 from k3jax.nn.layers import KeyGen, Proj, RMSNorm
-from k3jax.ops.attention import mla_attention, mla_latent_attention
+from k3jax.ops.attention import mla_attention
 
 LORA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm are built without an eps in the release (spec §3)
 
@@ -24,22 +27,23 @@ class MLAttention(nnx.Module):
         H, nh = cfg.hidden_size, cfg.num_attention_heads
         dn, dr, dv, r_kv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
         dt, std = jnp.dtype(cfg.dtype), cfg.initializer_range
+        proj = functools.partial(Proj, dtype=dt, init_std=std, keys=keys)
         self.nh, self.dn, self.dr, self.dv, self.r_kv = nh, dn, dr, dv, r_kv
         self.scale = (dn + dr) ** -0.5
         self.q_lora = cfg.q_lora_rank is not None
         if self.q_lora:
-            self.q_a_proj = Proj(H, cfg.q_lora_rank, dtype=dt, init_std=std, keys=keys)
+            self.q_a_proj = proj(H, cfg.q_lora_rank, axes=("embed", "q_lora"))
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LORA_NORM_EPS, dtype=dt)
-            self.q_b_proj = Proj(cfg.q_lora_rank, (nh, dn + dr), dtype=dt, init_std=std, keys=keys)
+            self.q_b_proj = proj(cfg.q_lora_rank, (nh, dn + dr), axes=("q_lora", "heads", None))
         else:
-            self.q_proj = Proj(H, (nh, dn + dr), dtype=dt, init_std=std, keys=keys)
-        self.kv_a_proj_with_mqa = Proj(H, r_kv + dr, dtype=dt, init_std=std, keys=keys)
+            self.q_proj = proj(H, (nh, dn + dr), axes=("embed", "heads", None))
+        self.kv_a_proj_with_mqa = proj(H, r_kv + dr, axes=("embed", "kv_lora"))
         self.kv_a_layernorm = RMSNorm(r_kv, LORA_NORM_EPS, dtype=dt)
-        self.kv_b_proj = Proj(r_kv, (nh, dn + dv), dtype=dt, init_std=std, keys=keys)
+        self.kv_b_proj = proj(r_kv, (nh, dn + dv), axes=("kv_lora", "heads", None))
         self.output_gate = bool(cfg.mla_use_output_gate)
         if self.output_gate:
-            self.g_proj = Proj(H, (nh, dv), dtype=dt, init_std=std, keys=keys)
-        self.o_proj = Proj((nh, dv), H, dtype=dt, init_std=std, keys=keys)
+            self.g_proj = proj(H, (nh, dv), axes=("embed", "heads", None))
+        self.o_proj = proj((nh, dv), H, axes=("heads", None, "embed"))
 
     def queries(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
@@ -50,39 +54,36 @@ class MLAttention(nnx.Module):
         ckv = self.kv_a_proj_with_mqa(x)
         return self.kv_a_layernorm(ckv[..., : self.r_kv]), ckv[..., self.r_kv:]
 
-    def __call__(self, x: jax.Array, *, segment_ids: jax.Array | None = None) -> jax.Array:
-        q_n, q_r = self.queries(x)
-        c_kv, k_r = self.latent(x)
-        kv = self.kv_b_proj(c_kv)
-        k_n, v = kv[..., : self.dn], kv[..., self.dn:]
-        o = mla_attention(q_n, q_r, k_n, k_r, v, self.scale, segment_ids)        # [B, T, nh, dv]
-        if self.output_gate:
-            o = o * jax.nn.sigmoid(self.g_proj(x))
-        return self.o_proj(o)
+    def __call__(self, x: jax.Array, *, cache: MLACache | None = None, pos: jax.Array | None = None,
+                 n_new: jax.Array | None = None, segment_ids: jax.Array | None = None
+                 ) -> tuple[jax.Array, MLACache | None]:
+        """``x [B, T, hidden]`` → ``(y [B, T, hidden], new cache or None)``.
 
-    def cached(self, x: jax.Array, cache: tuple[jax.Array, jax.Array], pos: jax.Array, n_new: jax.Array
-               ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-        """Attention for ``x [B, T, hidden]`` at positions ``pos[b] + t`` against a latent cache, absorbed form.
-
-        ``cache = (c_kv [B, L, kv_lora_rank], k_r [B, L, qk_rope_head_dim])``; the first ``n_new[b]`` tokens of
-        row b are real (the rest padding, written but masked until overwritten). Writes this chunk's latents at
-        ``pos``, then attends over positions ``< pos + n_new`` (causally) without expanding keys or values.
-        Returns ``(y [B, T, hidden], new cache)``.
+        Without a cache: causal attention over the sequence in expanded form (``segment_ids [B, T]`` keeps packed
+        documents apart). With ``cache`` (:class:`MLACache`): the chunk sits at positions ``pos[b] + t`` and only
+        its first ``n_new[b]`` tokens are real (padding is written but masked until overwritten); its latents are
+        appended, then it attends over positions ``< pos + n_new`` causally in absorbed form — the queries move into
+        the latent space (``q_n W_k``), keys and values are never expanded per head.
         """
-        c_cache, r_cache = cache
         q_n, q_r = self.queries(x)
         c_kv, k_r = self.latent(x)
-        write = jax.vmap(lambda buf, new, p: jax.lax.dynamic_update_slice_in_dim(buf, new.astype(buf.dtype), p, 0))
-        c_cache, r_cache = write(c_cache, c_kv, pos), write(r_cache, k_r, pos)
-        w = self.kv_b_proj.kernel[...]                                            # [R, nh, dn + dv]
-        f32 = jnp.promote_types(x.dtype, jnp.float32)
-        q_lat = jnp.einsum("btnd,rnd->btnr", q_n.astype(f32), w[..., : self.dn].astype(f32),
-                           precision=jax.lax.Precision.HIGHEST)
-        T = x.shape[1]
-        q_pos = pos[:, None] + jnp.arange(T, dtype=pos.dtype)[None, :]
-        o_lat = mla_latent_attention(q_lat, q_r, c_cache, r_cache, q_pos, pos + n_new, self.scale)
-        o = jnp.einsum("btnr,rnd->btnd", o_lat, w[..., self.dn:].astype(f32),
-                       precision=jax.lax.Precision.HIGHEST).astype(x.dtype)
+        if cache is None:
+            kv = self.kv_b_proj(c_kv)
+            k_n, v = kv[..., : self.dn], kv[..., self.dn:]
+            o = mla_attention(q_n, q_r, k_n, k_r, v, self.scale, segment_ids)        # [B, T, nh, dv]
+        else:
+            B, T = x.shape[:2]
+            if n_new is None:
+                n_new = jnp.full((B,), T, jnp.int32)
+            cache = cache.append(c_kv, k_r, pos)
+            w = self.kv_b_proj.kernel[...]                                        # [R, nh, dn + dv]
+            f32 = jnp.promote_types(x.dtype, jnp.float32)
+            q_lat = jnp.einsum("btnd,rnd->btnr", q_n.astype(f32), w[..., : self.dn].astype(f32),
+                               precision=jax.lax.Precision.HIGHEST)
+            q_pos = pos[:, None] + jnp.arange(T, dtype=pos.dtype)[None, :]
+            o_lat = cache.attend(q_lat, q_r, q_pos, pos + n_new, self.scale)
+            o = jnp.einsum("btnr,rnd->btnd", o_lat, w[..., self.dn:].astype(f32),
+                           precision=jax.lax.Precision.HIGHEST).astype(x.dtype)
         if self.output_gate:
             o = o * jax.nn.sigmoid(self.g_proj(x))
-        return self.o_proj(o), (c_cache, r_cache)
+        return self.o_proj(o), cache

@@ -1,4 +1,5 @@
-"""Decoder layer, Block AttnRes stream (spec §2, §6) and the causal LM."""
+"""Decoder layer, Block AttnRes stream (spec §2, §6) and the causal LM — one forward for training, prefill and
+decode: without a cache it runs whole sequences; with a :class:`~k3jax.nn.cache.Cache` it continues them."""
 
 from __future__ import annotations
 
@@ -9,12 +10,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.config import K3Config
+from k3jax.nn.cache import Cache, LayerCache
 from k3jax.nn.kda import KDAttention
-from k3jax.nn.layers import KeyGen, Proj, RMSNorm
+from k3jax.nn.layers import KeyGen, Proj, RMSNorm, param
 from k3jax.nn.mla import MLAttention
-from k3jax.nn.moe import MLP, MoE
-from k3jax.ops.balance import QBSettings
+from k3jax.nn.moe import MLP, MoE, RoutingStats
 from k3jax.ops.attnres import attnres_mix
+from k3jax.parallel.ep import ExpertParallel
 
 
 class AttnResSite(nnx.Module):
@@ -26,8 +28,8 @@ class AttnResSite(nnx.Module):
     def __init__(self, cfg: K3Config):
         dt = jnp.dtype(cfg.dtype)
         self.eps = cfg.rms_norm_eps
-        self.norm = nnx.Param(jnp.ones((cfg.hidden_size,), dt))
-        self.proj = nnx.Param(jnp.zeros((1, cfg.hidden_size), dt))
+        self.norm = param(jnp.ones((cfg.hidden_size,), dt), (None,))
+        self.proj = param(jnp.zeros((1, cfg.hidden_size), dt), (None, None))
 
     def __call__(self, blocks: list[jax.Array], partial: jax.Array) -> jax.Array:
         return attnres_mix(blocks, partial, self.norm[...], self.proj[...], self.eps)
@@ -52,63 +54,50 @@ class DecoderLayer(nnx.Module):
             self.self_attention_res = AttnResSite(cfg)
             self.mlp_res = AttnResSite(cfg)
 
-    def attention(self, a: jax.Array, segment_ids: jax.Array | None, kda_kernel: str) -> jax.Array:
-        h = self.input_layernorm(a)
-        if self.kind == "kda":
-            return self.self_attn(h, kernel=kda_kernel, segment_ids=segment_ids)
-        return self.self_attn(h, segment_ids=segment_ids)
+    def __call__(self, x: jax.Array, blocks: list[jax.Array], *, cache: LayerCache | None = None,
+                 pos: jax.Array | None = None, n_new: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None, kda_kernel: str = "chunked", moe_grouped: bool = True,
+                 ep: ExpertParallel | None = None, router_scores: bool = False
+                 ) -> tuple[jax.Array, list[jax.Array], LayerCache | None, RoutingStats | None]:
+        """Spec §2 steps 1–8: AttnRes reads (or a plain residual), attention, then the FFN.
 
-    def ffn(self, m: jax.Array, moe_grouped: bool, balance: QBSettings | None) -> tuple[jax.Array, tuple | None]:
-        h = self.post_attention_layernorm(m)
-        if self.is_moe:
-            y, counts, new_bias = self.block_sparse_moe(h, grouped=moe_grouped, balance=balance)
-            return y, (counts, new_bias)
-        return self.mlp(h), None
+        ``x`` is the running partial sum ``[B, T, hidden]``, ``blocks`` the sealed AttnRes blocks. With ``cache``
+        the attention continues it (chunk at ``pos[b] + t``, first ``n_new[b]`` tokens real). Returns
+        ``(partial sum, blocks, new layer cache or None, routing stats of a MoE layer or None)``."""
+        def attend(a: jax.Array) -> tuple[jax.Array, LayerCache | None]:
+            h = self.input_layernorm(a)
+            if self.kind == "kda":
+                return self.self_attn(h, cache=cache, n_new=n_new, segment_ids=segment_ids, kernel=kda_kernel)
+            return self.self_attn(h, cache=cache, pos=pos, n_new=n_new, segment_ids=segment_ids)
 
-    def __call__(self, x: jax.Array, blocks: list[jax.Array], *, segment_ids: jax.Array | None = None,
-                 kda_kernel: str = "chunked", moe_grouped: bool = True, balance: QBSettings | None = None
-                 ) -> tuple[jax.Array, list[jax.Array], tuple | None]:
-        """Returns ``(output partial sum, blocks, (expert counts, QB bias for the next step) or None)``."""
-        return self.residual_stream(x, blocks, lambda a: self.attention(a, segment_ids, kda_kernel),
-                                    moe_grouped, balance)
+        def ffn(m: jax.Array) -> tuple[jax.Array, RoutingStats | None]:
+            h = self.post_attention_layernorm(m)
+            if self.is_moe:
+                return self.block_sparse_moe(h, grouped=moe_grouped, ep=ep, router_scores=router_scores)
+            return self.mlp(h), None
 
-    def cached(self, x: jax.Array, blocks: list[jax.Array], cache: tuple, pos: jax.Array, n_new: jax.Array
-               ) -> tuple[jax.Array, list[jax.Array], tuple]:
-        """The layer over a chunk that continues a cached sequence (see ``KDAttention.cached``/``MLAttention.cached``);
-        returns ``(output partial sum, blocks, new cache)``."""
-        new = []
-
-        def attend(a: jax.Array) -> jax.Array:
-            y, c = self.self_attn.cached(self.input_layernorm(a), cache, pos, n_new)
-            new.append(c)
-            return y
-
-        x, blocks, _ = self.residual_stream(x, blocks, attend, True, None)
-        return x, blocks, new[0]
-
-    def residual_stream(self, x: jax.Array, blocks: list[jax.Array], attend, moe_grouped: bool,
-                        balance: QBSettings | None) -> tuple[jax.Array, list[jax.Array], tuple | None]:
-        """Spec §2 steps 1–8: AttnRes reads (or a plain residual), attention via ``attend``, then the FFN."""
         if not self.attn_res:
-            x = x + attend(x)
-            y, counts = self.ffn(x, moe_grouped, balance)
-            return x + y, blocks, counts
+            y, cache = attend(x)
+            x = x + y
+            f, stats = ffn(x)
+            return x + f, blocks, cache, stats
         p = x
         a = self.self_attention_res(blocks, p) if blocks else p          # identity only at layer 0
         sealed = self.idx % self.block_size == 0
         if sealed:                                                       # seal after the read, before attention
             blocks = blocks + [p]
-        y = attend(a)
+        y, cache = attend(a)
         p = y if sealed else p + y                                       # the partial sum restarts after a seal
         m = self.mlp_res(blocks, p)
-        f, counts = self.ffn(m, moe_grouped, balance)
-        return p + f, blocks, counts
+        f, stats = ffn(m)
+        return p + f, blocks, cache, stats
 
 
 class CausalLMOutput(NamedTuple):
-    logits: jax.Array              # [B, T, vocab]
-    expert_counts: jax.Array       # [n_moe_layers, num_experts] int32 (tokens routed to each expert)
-    balance_bias: jax.Array | None = None   # [n_moe_layers, num_experts] fp32: Quantile Balancing's next bias
+    logits: jax.Array                     # [B, T, vocab]
+    expert_counts: jax.Array              # [n_moe_layers, num_experts] int32 (tokens routed to each expert)
+    cache: Cache | None = None            # the continued cache, when one was passed
+    router_scores: tuple | None = None    # per MoE layer [B·T, E] fp32 (no gradient), with router_scores=True
 
 
 class K3Model(nnx.Module):
@@ -116,45 +105,35 @@ class K3Model(nnx.Module):
 
     def __init__(self, cfg: K3Config, *, keys: KeyGen):
         dt = jnp.dtype(cfg.dtype)
-        self.embed_tokens = nnx.Param(
+        self.embed_tokens = param(
             (cfg.initializer_range * jax.random.normal(keys(), (cfg.vocab_size, cfg.hidden_size),
-                                                       jnp.float32)).astype(dt))
+                                                       jnp.float32)).astype(dt), ("vocab", "embed"))
         self.layers = nnx.List([DecoderLayer(cfg, i, keys=keys) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dt)
         self.attn_res = cfg.attn_res
         if self.attn_res:
             self.output_attn_res = AttnResSite(cfg)
 
-    def __call__(self, input_ids: jax.Array, *, segment_ids: jax.Array | None = None, kda_kernel: str = "chunked",
-                 moe_grouped: bool = True, balance: QBSettings | None = None) -> tuple[jax.Array, list[tuple]]:
+    def __call__(self, input_ids: jax.Array, *, cache: Cache | None = None, n_new: jax.Array | None = None,
+                 **kw) -> tuple[jax.Array, tuple | None, list[RoutingStats]]:
+        """Final hidden states ``[B, T, hidden]``, the layers' new caches (or None) and the MoE layers' stats."""
         x = jnp.take(self.embed_tokens[...], input_ids, axis=0)
         blocks: list[jax.Array] = []
-        counts = []
-        for layer in self.layers:
-            x, blocks, c = layer(x, blocks, segment_ids=segment_ids, kda_kernel=kda_kernel, moe_grouped=moe_grouped,
-                                 balance=balance)
-            if c is not None:
-                counts.append(c)
-        if self.attn_res:
-            x = self.output_attn_res(blocks, x)
-        return self.norm(x), counts
-
-    def cached(self, input_ids: jax.Array, caches: list[tuple], pos: jax.Array, n_new: jax.Array
-               ) -> tuple[jax.Array, list[tuple]]:
-        """Final hidden states ``[B, T, hidden]`` of a chunk continuing cached sequences, and the new caches."""
-        x = jnp.take(self.embed_tokens[...], input_ids, axis=0)
-        blocks: list[jax.Array] = []
-        new = []
-        for layer, cache in zip(self.layers, caches):
-            x, blocks, c = layer.cached(x, blocks, cache, pos, n_new)
+        stats, new = [], []
+        for i, layer in enumerate(self.layers):
+            c = None if cache is None else cache.layers[i]
+            pos = None if cache is None else cache.lengths
+            x, blocks, c, st = layer(x, blocks, cache=c, pos=pos, n_new=n_new, **kw)
             new.append(c)
+            if st is not None:
+                stats.append(st)
         if self.attn_res:
             x = self.output_attn_res(blocks, x)
-        return self.norm(x), new
+        return self.norm(x), (tuple(new) if cache is not None else None), stats
 
 
 class K3ForCausalLM(nnx.Module):
-    """The K3 / Kimi Linear text model. ``model(input_ids [B, T] int32)`` → logits ``[B, T, vocab]``."""
+    """The K3 / Kimi Linear text model: ``model(input_ids [B, T] int32)`` → :class:`CausalLMOutput`."""
 
     def __init__(self, cfg: K3Config, *, rngs: nnx.Rngs | None = None):
         cfg.validate()
@@ -162,23 +141,41 @@ class K3ForCausalLM(nnx.Module):
         self.config = cfg
         self.model = K3Model(cfg, keys=keys)
         if not cfg.tie_word_embeddings:
-            self.lm_head = Proj(cfg.hidden_size, cfg.vocab_size, dtype=jnp.dtype(cfg.dtype),
-                                init_std=cfg.initializer_range, keys=keys)
+            self.lm_head = Proj(cfg.hidden_size, cfg.vocab_size, axes=("embed", "vocab"), muon=None,
+                                dtype=jnp.dtype(cfg.dtype), init_std=cfg.initializer_range, keys=keys)
 
-    def forward(self, input_ids: jax.Array, *, segment_ids: jax.Array | None = None, kda_kernel: str = "chunked",
-                moe_grouped: bool = True, balance: QBSettings | None = None) -> CausalLMOutput:
-        """Logits and per-MoE-layer expert token counts (what load balancing consumes); with ``balance`` also
-        each MoE layer's Quantile Balancing bias for the next step (computed from this batch, not used on it). ``segment_ids [B, T]`` marks packed documents."""
+    def __call__(self, input_ids: jax.Array, *, cache: Cache | None = None, n_new: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None, kda_kernel: str = "chunked", moe_grouped: bool = True,
+                 ep: ExpertParallel | None = None, router_scores: bool = False) -> CausalLMOutput:
+        """Logits ``[B, T, vocab]`` and per-MoE-layer expert token counts.
+
+        * ``cache=None``: whole sequences (training, one-shot scoring); ``segment_ids [B, T]`` marks packed
+          documents.
+        * ``cache`` (:func:`k3jax.nn.cache.init_cache`): continue each slot — the chunk sits at positions
+          ``cache.lengths[b] + t`` and only its first ``n_new[b]`` tokens are real (default: all T); T = 1 is a
+          decode step. ``out.cache`` is the updated cache (lengths advanced by ``n_new``).
+        * ``ep``: routed experts over a mesh's expert axis (:class:`k3jax.parallel.ep.ExpertParallel`);
+          ``kda_kernel="recurrent"`` / ``moe_grouped=False`` run the slow references;
+          ``router_scores=True`` adds each MoE layer's router scores (what Quantile Balancing solves from).
+        """
         input_ids = jnp.asarray(input_ids)
         if input_ids.ndim != 2 or not jnp.issubdtype(input_ids.dtype, jnp.integer):
             raise ValueError(f"input_ids: expected integer ids of shape [B, T], got {input_ids.dtype}{input_ids.shape}")
-        h, counts = self.model(input_ids, segment_ids=segment_ids, kda_kernel=kda_kernel, moe_grouped=moe_grouped,
-                               balance=balance)
-        logits = self.head(h)
+        if cache is not None:
+            if len(cache.layers) != len(self.model.layers):
+                raise ValueError(f"cache: {len(cache.layers)} layer caches for a {len(self.model.layers)}-layer model")
+            if cache.batch != input_ids.shape[0]:
+                raise ValueError(f"cache: batch {cache.batch} != input_ids batch {input_ids.shape[0]}")
+            if n_new is None:
+                n_new = jnp.full((input_ids.shape[0],), input_ids.shape[1], jnp.int32)
+        h, layers, stats = self.model(input_ids, cache=cache, n_new=n_new, segment_ids=segment_ids,
+                                      kda_kernel=kda_kernel, moe_grouped=moe_grouped, ep=ep,
+                                      router_scores=router_scores)
         E = self.config.num_experts or 0
-        c = jnp.stack([x[0] for x in counts]) if counts else jnp.zeros((0, E), jnp.int32)
-        nb = jnp.stack([x[1] for x in counts]) if (counts and balance is not None) else None
-        return CausalLMOutput(logits, c, nb)
+        counts = jnp.stack([s.counts for s in stats]) if stats else jnp.zeros((0, E), jnp.int32)
+        scores = tuple(s.scores for s in stats) if router_scores else None
+        new_cache = cache.advance(layers, n_new) if cache is not None else None
+        return CausalLMOutput(self.head(h), counts, new_cache, scores)
 
     def head(self, h: jax.Array) -> jax.Array:
         """Logits ``[..., vocab]`` from final hidden states."""
@@ -186,13 +183,6 @@ class K3ForCausalLM(nnx.Module):
             return jnp.einsum("...d,vd->...v", h, self.model.embed_tokens[...].astype(h.dtype))
         return self.lm_head(h)
 
-    def forward_cached(self, input_ids: jax.Array, caches: list[tuple], pos: jax.Array, n_new: jax.Array
-                       ) -> tuple[jax.Array, list[tuple]]:
-        """Logits ``[B, T, vocab]`` for a chunk of ``input_ids [B, T]`` at positions ``pos[b] + t`` continuing the
-        sequences held in ``caches`` (one per layer, see :mod:`k3jax.infer.cache`); row b's first ``n_new[b]``
-        tokens are real. Returns the logits and the updated caches."""
-        h, new = self.model.cached(input_ids, caches, pos, n_new)
-        return self.head(h), new
-
-    def __call__(self, input_ids: jax.Array, **kw) -> jax.Array:
-        return self.forward(input_ids, **kw).logits
+    def moe_blocks(self) -> list[MoE]:
+        """The MoE modules in layer order (the order of ``expert_counts`` and ``router_scores``)."""
+        return [layer.block_sparse_moe for layer in self.model.layers if layer.is_moe]

@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.config import K3Config
-from k3jax.nn.layers import BalanceState, KeyGen, PackedWeight, Proj, RMSNorm, RouterBias
+from k3jax.nn.layers import KeyGen, PackedWeight, Proj, RMSNorm, RouterBias, param
 from k3jax.ops.grouped import moe_grouped, moe_per_token
-from k3jax.ops.balance import QBSettings, quantile_balance_update
-from k3jax.parallel.ep import moe_expert_parallel
-from k3jax.parallel.mesh import current_expert_parallel
+from k3jax.parallel.ep import ExpertParallel
 from k3jax.ops.mx import mxfp4_dequantize, mxfp4_quantize_traced
 from k3jax.ops.precision import acc_dtype
 from k3jax.ops.routing import expert_counts, router_topk
@@ -30,11 +29,11 @@ class MLP(nnx.Module):
     """Gated MLP ``act(x W_g, x W_u) W_d`` (dense layers and the shared experts)."""
 
     def __init__(self, cfg: K3Config, hidden: int, intermediate: int, *, keys: KeyGen):
-        dt, std = jnp.dtype(cfg.dtype), cfg.initializer_range
+        proj = functools.partial(Proj, dtype=jnp.dtype(cfg.dtype), init_std=cfg.initializer_range, keys=keys)
         self.act = activation(cfg)
-        self.gate_proj = Proj(hidden, intermediate, dtype=dt, init_std=std, keys=keys)
-        self.up_proj = Proj(hidden, intermediate, dtype=dt, init_std=std, keys=keys)
-        self.down_proj = Proj(intermediate, hidden, dtype=dt, init_std=std, keys=keys)
+        self.gate_proj = proj(hidden, intermediate, axes=("embed", "mlp"))
+        self.up_proj = proj(hidden, intermediate, axes=("embed", "mlp"))
+        self.down_proj = proj(intermediate, hidden, axes=("mlp", "embed"))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
@@ -56,12 +55,13 @@ class Experts(nnx.Module):
             for name, (o, i) in (("w1", (I, D)), ("w3", (I, D)), ("w2", (D, I))):
                 w = std * jax.random.normal(keys(), (E, o, i), jnp.float32)
                 p, s = mxfp4_quantize_traced(w)
-                setattr(self, f"{name}_packed", PackedWeight(p))
-                setattr(self, f"{name}_scale", PackedWeight(s))
+                setattr(self, f"{name}_packed", PackedWeight(p, axes=("experts", None, None)))
+                setattr(self, f"{name}_scale", PackedWeight(s, axes=("experts", None, None)))
             return
         edt = jnp.dtype(cfg.expert_dtype or cfg.dtype)
-        init = lambda shape: nnx.Param(  # noqa: E731
-            (std * jax.random.normal(keys(), shape, jnp.float32)).astype(edt))
+        init = lambda shape: param(  # noqa: E731
+            (std * jax.random.normal(keys(), shape, jnp.float32)).astype(edt), ("experts", None, None),
+            muon="batched", fan_in=2)          # [E, in, out]: one matrix per expert
         self.w1, self.w3, self.w2 = init((E, D, I)), init((E, D, I)), init((E, I, D))
 
     def weights(self, dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -77,7 +77,7 @@ class MoE(nnx.Module):
     """``block_sparse_moe``: router on full-width x; routed experts (in a latent space when LatentMoE);
     fp32 combine; latent RMSNorm; latent up-projection; plus the full-width shared experts.
 
-    Returns ``(y [B, T, hidden], counts [E] int32)``.
+    Returns ``(y [B, T, hidden], RoutingStats)``.
     """
 
     def __init__(self, cfg: K3Config, *, keys: KeyGen):
@@ -90,16 +90,17 @@ class MoE(nnx.Module):
         self.use_bias = cfg.topk_method == "noaux_tc"
         self.num_experts = E
         self.act = activation(cfg)
-        self.gate = Proj(H, E, dtype=dt, init_std=std, keys=keys)
-        self.e_score_correction_bias = RouterBias(jnp.zeros((E,), jnp.promote_types(dt, jnp.float32)))
-        self.qb_bounds = BalanceState(jnp.asarray([-1.0, 1.0], jnp.float32))   # [min b − 1, max b + 1]
+        proj = functools.partial(Proj, dtype=dt, init_std=std, keys=keys)
+        self.gate = proj(H, E, axes=("embed", "router"))        # every token needs every score: not split
+        self.e_score_correction_bias = RouterBias(jnp.zeros((E,), jnp.promote_types(dt, jnp.float32)),
+                                                  axes=(None,))
         self.top_k = cfg.num_experts_per_token
         self.latent = cfg.latent_moe
         if self.latent:
             L = cfg.routed_expert_hidden_size
-            self.routed_expert_down_proj = Proj(H, L, dtype=dt, init_std=std, keys=keys)
+            self.routed_expert_down_proj = proj(H, L, axes=("embed", "latent"))
             self.routed_expert_norm = RMSNorm(L, cfg.rms_norm_eps, dtype=dt) if cfg.latent_moe_use_norm else None
-            self.routed_expert_up_proj = Proj(L, H, dtype=dt, init_std=std, keys=keys)
+            self.routed_expert_up_proj = proj(L, H, axes=("latent", "embed"))
         self.experts = Experts(cfg, keys=keys)
         n_sh = cfg.num_shared_experts
         self.shared_experts = MLP(cfg, H, n_sh * cfg.moe_intermediate_size, keys=keys) if n_sh else None
@@ -109,36 +110,35 @@ class MoE(nnx.Module):
         return jnp.einsum("nd,de->ne", x.astype(f), self.gate.kernel[...].astype(f),
                           precision=jax.lax.Precision.HIGHEST)
 
-    def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """``(weights [N, k] fp32, idx [N, k])`` for ``x [N, hidden]``; router logits in fp32."""
-        bias = self.e_score_correction_bias[...] if self.use_bias else None
-        return router_topk(self.router_logits(x), bias, **self.cfg_route)
-
-    def balance_update(self, x: jax.Array, qb: QBSettings) -> jax.Array:
-        """Quantile Balancing's bias ``[E]`` for the next step from tokens ``x [N, hidden]`` (not used on them)."""
-        scores = jax.nn.sigmoid(jax.lax.stop_gradient(self.router_logits(x))).astype(jnp.float32)
-        return quantile_balance_update(scores, self.e_score_correction_bias[...], self.top_k, qb.bins, qb.passes)
-
-    def __call__(self, x: jax.Array, *, grouped: bool = True, balance: QBSettings | None = None
-                 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
-        """Returns ``(y, counts [E], next QB bias [E] or None)``."""
+    def __call__(self, x: jax.Array, *, grouped: bool = True, ep: ExpertParallel | None = None,
+                 router_scores: bool = False) -> tuple[jax.Array, "RoutingStats"]:
+        """``x [B, T, hidden]`` → ``(y [B, T, hidden], RoutingStats)``. ``ep``: routed experts over a mesh's
+        expert axis; ``grouped=False`` runs the per-token reference; ``router_scores`` also returns the
+        (gradient-free) sigmoid scores that Quantile Balancing solves from (training only)."""
         B, T, H = x.shape
         xf = x.reshape(B * T, H)
-        w, idx = self.route(xf)
-        new_bias = self.balance_update(xf, balance) if balance is not None else None
+        logits = self.router_logits(xf)
+        bias = self.e_score_correction_bias[...] if self.use_bias else None
+        w, idx = router_topk(logits, bias, **self.cfg_route)
         z = self.routed_expert_down_proj(xf) if self.latent else xf
-        ep = current_expert_parallel()
-        if ep is not None and ep.mesh.shape["expert"] > 1:
-            y = moe_expert_parallel(z, idx, w, *self.experts.weights(z.dtype), self.act, mesh=ep.mesh,
-                                    method=ep.method, capacity_factor=ep.capacity_factor,
-                                    exchange=ep.exchange).astype(x.dtype)
+        weights = self.experts.weights(z.dtype)
+        if ep is not None and ep.active:
+            y = ep(z, idx, w, *weights, self.act).astype(x.dtype)
         else:
             fn = moe_grouped if grouped else moe_per_token
-            y = fn(z, idx, w, *self.experts.weights(z.dtype), self.act).astype(x.dtype)
+            y = fn(z, idx, w, *weights, self.act).astype(x.dtype)
         if self.latent:
             if self.routed_expert_norm is not None:
                 y = self.routed_expert_norm(y)
             y = self.routed_expert_up_proj(y)
         if self.shared_experts is not None:
             y = y + self.shared_experts(xf)
-        return y.reshape(B, T, H), expert_counts(idx, self.num_experts), new_bias
+        scores = jax.nn.sigmoid(jax.lax.stop_gradient(logits)).astype(jnp.float32) if router_scores else None
+        return y.reshape(B, T, H), RoutingStats(expert_counts(idx, self.num_experts), scores)
+
+
+class RoutingStats(NamedTuple):
+    """What one MoE layer reports about its routing: ``counts [E]`` int32 (tokens per expert) and, when asked
+    for, ``scores [N, E]`` fp32 sigmoid router scores (no gradient) for the balancing step in ``train/``."""
+    counts: jax.Array
+    scores: jax.Array | None = None

@@ -21,6 +21,7 @@ grouped matmul still see exactly S·K). ``"auto"`` picks ragged off CPU.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from functools import partial
 from typing import Callable
 
@@ -189,6 +190,24 @@ LOCAL = {"moonep": moonep_local, "dropless": dropless_local, "capacity": capacit
 
 
 # -------------------------------------------------------------------------------------------------- wrapper
+@dataclass(frozen=True)
+class ExpertParallel:
+    """How MoE layers run their routed experts over ``mesh``'s ``expert`` axis; passed to the model's call
+    (``model(ids, ep=...)``), so it is part of what a jitted function was traced with. Hashable (static)."""
+    mesh: jax.sharding.Mesh
+    method: str = "moonep"              # "moonep" | "dropless" | "capacity"
+    capacity_factor: float = 1.25
+    exchange: str = "auto"              # "dense" (CPU) | "ragged" | "auto"
+
+    @property
+    def active(self) -> bool:
+        return "expert" in self.mesh.axis_names and self.mesh.shape["expert"] > 1
+
+    def __call__(self, z, idx, w, w1, w3, w2, act):
+        return moe_expert_parallel(z, idx, w, w1, w3, w2, act, mesh=self.mesh, method=self.method,
+                                   capacity_factor=self.capacity_factor, exchange=self.exchange)
+
+
 def token_axes(mesh: jax.sharding.Mesh) -> tuple[str, ...]:
     """Mesh axes the token dimension is split over (everything data-like, plus the expert axis)."""
     return tuple(a for a in ("data", "fsdp", "expert") if a in mesh.axis_names)

@@ -1,12 +1,9 @@
-"""The device mesh: named axes (data, fsdp, expert, tensor), built from ``"data=2,expert=4"``, and the
-expert-parallel context the MoE layers read while tracing."""
+"""The device mesh: named axes (data, fsdp, expert, tensor), built from ``"data=2,expert=4"``, and
+``jax.distributed`` start-up. (The expert-parallel setting is an explicit argument: :class:`k3jax.parallel.ep.ExpertParallel`.)"""
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
-from dataclasses import dataclass
 
 import jax
 from jax.sharding import AxisType, Mesh
@@ -46,31 +43,6 @@ def make_mesh(spec: str | dict | None, devices=None) -> Mesh:
                         f"{', '.join(AXES)}), {len(devices)} available")
     return jax.make_mesh(tuple(sizes[a] for a in AXES), AXES, axis_types=(AxisType.Auto,) * len(AXES),
                          devices=devices)
-
-
-@dataclass(frozen=True)
-class ExpertParallel:
-    mesh: Mesh
-    method: str = "moonep"              # "moonep" | "dropless" | "capacity"
-    capacity_factor: float = 1.25
-    exchange: str = "auto"
-
-
-_EP: contextvars.ContextVar[ExpertParallel | None] = contextvars.ContextVar("k3jax_expert_parallel", default=None)
-
-
-@contextlib.contextmanager
-def expert_parallel(ep: ExpertParallel | None):
-    """While active (at trace time), MoE layers run their routed experts over ``ep.mesh``'s expert axis."""
-    token = _EP.set(ep)
-    try:
-        yield ep
-    finally:
-        _EP.reset(token)
-
-
-def current_expert_parallel() -> ExpertParallel | None:
-    return _EP.get()
 
 
 def init_distributed(coordinator: str | None = None, num_processes: int | None = None,

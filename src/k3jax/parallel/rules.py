@@ -1,57 +1,58 @@
-"""Sharding rules: parameter path + shape → logical axes → ``NamedSharding`` on a mesh.
+"""Sharding rules: a parameter's logical axes (metadata set where it is created, ``var.axes``) → mesh axes.
 
-Layers never name mesh axes. A parameter's logical axes come from its path (table below); ``LOGICAL_TO_MESH`` maps
-logical axes to mesh axes (``data, fsdp, expert, tensor``). An axis whose size the mesh axis does not divide stays
-unsharded. Activations: the batch axis is split over ``data`` (and ``fsdp``); inside the MoE the token axis is split
-over every data-like axis plus ``expert`` (``k3jax.parallel.ep``); XLA propagates the rest.
+Layers never name mesh axes. Each variable carries one logical name (or None) per dimension; ``LOGICAL_TO_MESH``
+maps names to mesh axes (``data, fsdp, expert, tensor``); names not in the table (``q_lora``, ``kv_lora``,
+``gate_rank``, ``router``, …) and None stay unsplit, as does any dimension the mesh axis does not divide.
+Activations: the batch axis is split over ``data`` (and ``fsdp``); inside the MoE the token axis is split over
+every data-like axis plus ``expert`` (``k3jax.parallel.ep``); XLA propagates the rest.
 
-=================================  ============================  ===========================================
-parameter (path contains)          shape                         logical axes
-=================================  ============================  ===========================================
-``experts``                        [E, …]                        (experts, …)
-``embed_tokens``                   [vocab, hidden]               (vocab, embed)
-``lm_head``                        [hidden, vocab]               (embed, vocab)
-``o_proj``, ``down_proj``,         [heads, head_dim, hidden] /   (heads, -, embed) / (mlp, embed)
-``routed_expert_up_proj``          [in, hidden]
-other kernels with a heads axis    [in, heads, head_dim]         (embed, heads, -)
-other 2-D kernels                  [in, out]                     (embed, mlp)
-short-conv weights                 [channels, W]                 (heads, -)
-vectors, gains, biases             [n]                           replicated
-=================================  ============================  ===========================================
+=====================  =========  ==========================================================================
+logical axis           mesh axis  where
+=====================  =========  ==========================================================================
+``experts``            expert     routed experts ``[E, …]``
+``vocab``              tensor     embedding rows, lm_head columns
+``heads``              tensor     attention heads (q/k/v/g/o, kv_b, q_b, conv channels, A_log, dt_bias)
+``mlp``, ``latent``    tensor     dense / shared-expert intermediate; the LatentMoE latent width
+``embed``              fsdp       the hidden size as a matrix dimension
+=====================  =========  ==========================================================================
 """
 
 from __future__ import annotations
 
 import jax
+from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-LOGICAL_TO_MESH = {"experts": "expert", "vocab": "tensor", "heads": "tensor", "mlp": "tensor", "embed": "fsdp",
-                   "batch": ("data", "fsdp")}
-_OUTPUT_SIDE = ("o_proj", "down_proj", "routed_expert_up_proj")
+LOGICAL_TO_MESH = {"experts": "expert", "vocab": "tensor", "heads": "tensor", "mlp": "tensor", "latent": "tensor",
+                   "embed": "fsdp", "batch": ("data", "fsdp")}
 
 
-def logical_axes(path: tuple, shape: tuple[int, ...]) -> tuple[str | None, ...]:
-    """Logical axis names of the parameter at ``path`` (strings of the NNX / pure-dict path) with ``shape``."""
-    names = [str(p) for p in path]
-    n = len(shape)
-    if n <= 1:
-        return (None,) * n
-    if "experts" in names:
-        return ("experts",) + (None,) * (n - 1)
-    if "embed_tokens" in names:
-        return ("vocab", "embed")
-    if "lm_head" in names:
-        return ("embed", "vocab")
-    if any(k.endswith("conv1d") for k in names):
-        return ("heads",) + (None,) * (n - 1)
-    if any(k in names for k in _OUTPUT_SIDE):
-        return ("heads", None, "embed") if n == 3 else ("mlp", "embed")
-    if n == 3:
-        return ("embed", "heads", None)
-    if n == 2:
-        return ("embed", "mlp")
-    return (None,) * n
+def variable_axes(var: nnx.Variable) -> tuple[str | None, ...]:
+    """The logical axes a variable was created with (all None for a variable without them)."""
+    axes = getattr(var, "axes", None)
+    ndim = len(var.shape)
+    if axes is None:
+        return (None,) * ndim
+    if len(axes) != ndim:
+        raise ValueError(f"logical axes {axes} do not match the variable's shape {tuple(var.shape)}")
+    return tuple(axes)
+
+
+def metadata_tree(state: nnx.State, fn) -> dict:
+    """``fn(variable)`` for every variable of ``state``, nested like ``nnx.to_pure_dict(state)``."""
+    out: dict = {}
+    for path, var in nnx.to_flat_state(state):
+        node = out
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = fn(var)
+    return out
+
+
+def axes_tree(state: nnx.State) -> dict:
+    """Logical axes of every variable of ``state`` (a pure dict of tuples, like ``nnx.to_pure_dict``)."""
+    return metadata_tree(state, variable_axes)
 
 
 def spec_for(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: jax.sharding.Mesh) -> P:
@@ -65,9 +66,9 @@ def spec_for(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: jax.sha
     return P(*out)
 
 
-def param_sharding(path: tuple, shape: tuple[int, ...], mesh: jax.sharding.Mesh) -> NamedSharding:
-    """The ``NamedSharding`` of the parameter at ``path`` with ``shape``."""
-    return NamedSharding(mesh, spec_for(logical_axes(path, shape), shape, mesh))
+def named_sharding(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: jax.sharding.Mesh) -> NamedSharding:
+    """The ``NamedSharding`` of an array with logical ``axes`` and ``shape``."""
+    return NamedSharding(mesh, spec_for(axes, shape, mesh))
 
 
 def batch_sharding(mesh: jax.sharding.Mesh, batch: int) -> NamedSharding:
@@ -92,10 +93,8 @@ def replicate_unplaced(tree, mesh: jax.sharding.Mesh):
     return jax.tree.map(place, tree)
 
 
-def shard_pure(tree, mesh: jax.sharding.Mesh):
-    """Place every array of a pure (nested dict) parameter tree by :func:`param_sharding` of its key path."""
-    def place(path, x):
-        keys = tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
-        return jax.device_put(x, param_sharding(keys, tuple(x.shape), mesh))
-
-    return jax.tree_util.tree_map_with_path(place, tree)
+def shard_pure(tree, axes: dict, mesh: jax.sharding.Mesh):
+    """Place every array of a pure (nested dict) tree by its logical axes (``axes``: :func:`axes_tree` of the
+    state the tree came from)."""
+    return jax.tree.map(lambda x, a: jax.device_put(x, named_sharding(a, tuple(x.shape), mesh)), tree, axes,
+                        is_leaf=lambda x: hasattr(x, "shape"))

@@ -23,11 +23,14 @@ from flax import nnx
 
 from k3jax.config import ConfigError, K3Config, preset_names
 from k3jax.nn.model import K3ForCausalLM
-from k3jax.ops.balance import QBSettings, bias_bounds, max_violation, sign_update
+from k3jax.ops.balance import max_violation
+from k3jax.parallel.ep import ExpertParallel
+from k3jax.train.balance import METHODS as BALANCE_METHODS
+from k3jax.train.balance import BalanceConfig, update_router_biases
 from k3jax.train.checkpoint import Checkpointer
 from k3jax.train.data import Dataset, DataError, make_tokenizer, stdlib_corpus, user_corpus
 from k3jax.train.metrics import MetricsLog, plot_run
-from k3jax.train.optim import OptimConfig, make_optimizer
+from k3jax.train.optim import OptimConfig, make_optimizer, muon_dims_tree
 
 
 class TrainingError(RuntimeError):
@@ -118,8 +121,9 @@ class TrainConfig:
         if self.ep_method not in ("moonep", "dropless", "capacity"):
             raise ConfigError(f"training config: ep_method: expected 'moonep', 'dropless' or 'capacity', got "
                               f"{self.ep_method!r}")
-        if self.balance not in ("quantile", "sign", "none"):
-            raise ConfigError(f"training config: balance: expected 'quantile', 'sign' or 'none', got {self.balance!r}")
+        if self.balance not in BALANCE_METHODS:
+            raise ConfigError(f"training config: balance: expected one of {', '.join(BALANCE_METHODS)}, got "
+                              f"{self.balance!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -161,66 +165,50 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> jax
 
 
 def make_step(graphdef, params_template, rest_template, optimizer, c: TrainConfig, cfg: K3Config,
-              state_shardings: tuple | None = None):
+              state_shardings: tuple | None = None, ep: ExpertParallel | None = None):
     """The jitted training step over (params, rest, opt_state, batch) as pure pytrees.
 
-    ``state_shardings`` (on a mesh): the shardings of (params, rest, opt_state); the step returns its new state with
-    exactly these, so that step 2 sees the arguments step 1 saw and reuses its executable. (Any argument whose
-    sharding changes between steps — e.g. an optimizer counter left on one device — makes the second step compile
-    the whole step again: measured 62 s on data=2,expert=4 and 116 s on fsdp=2,expert=2,tensor=2 for the test preset.)
+    One step: forward (routed experts over ``ep``'s mesh when given) → loss → gradients → Muon/AdamW update →
+    the router biases for the next step from this step's routing (:mod:`k3jax.train.balance`; this step routed
+    with the old ones). ``state_shardings`` (on a mesh): the shardings of (params, rest, opt_state); the step
+    returns its new state with exactly these, so that step 2 sees the arguments step 1 saw and reuses its
+    executable (an argument whose sharding changes between steps, e.g. an optimizer counter left on one device,
+    makes the second step compile the whole step again).
     """
-    k = cfg.num_experts_per_token or 0
-    qb = QBSettings(c.balance_bins, c.balance_passes) if (c.balance == "quantile" and cfg.moe_layers) else None
+    balance = BalanceConfig(c.balance, c.balance_bins, c.balance_passes, c.sign_gamma)
 
     def to_state(template, pure):
         st = jax.tree.map(lambda x: x, template)
         nnx.replace_by_pure_dict(st, pure)
         return st
 
-    def loss_fn(params, rest, batch):
-        model = nnx.merge(graphdef, to_state(params_template, params), to_state(rest_template, rest))
-        out = model.forward(batch["input_ids"], segment_ids=batch["segment_ids"], balance=qb)
+    def merged(params, rest):
+        return nnx.merge(graphdef, to_state(params_template, params), to_state(rest_template, rest))
+
+    def loss_fn(params, rest, batch, router_scores: bool):
+        out = merged(params, rest)(batch["input_ids"], segment_ids=batch["segment_ids"], ep=ep,
+                                   router_scores=router_scores)
         return cross_entropy(out.logits, batch["targets"], batch["loss_mask"]), out
 
     def step(params, rest, opt_state, batch):
-        (loss, out), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, rest, batch)
+        (loss, out), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, rest, batch,
+                                                                       balance.needs_scores)
         updates, opt_state = optimizer.update(grads, opt_state, params)
+        model = merged(params, rest)                      # router biases as the step saw them
+        update_router_biases(model, out, balance)
+        rest = nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param)))
         params = jax.tree.map(lambda p, u: p + u.astype(p.dtype), params, updates)
-        rest = balance_rest(rest, out, c, k)
         gnorm = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)))
-        counts = out.expert_counts
-        return params, rest, opt_state, {"loss": loss, "grad_norm": gnorm, "counts": counts}
+        return params, rest, opt_state, {"loss": loss, "grad_norm": gnorm, "counts": out.expert_counts}
 
     step = jax.jit(step) if state_shardings is None else jax.jit(step, out_shardings=(*state_shardings, None))
 
     @jax.jit
     def eval_step(params, rest, batch):
-        loss, _ = loss_fn(params, rest, batch)
+        loss, _ = loss_fn(params, rest, batch, False)
         return loss
 
     return step, eval_step
-
-
-def balance_rest(rest: dict, out, c: TrainConfig, k: int) -> dict:
-    """New router biases computed from this step's batch — used from the next step on (causal)."""
-    if c.balance == "none" or out.expert_counts.shape[0] == 0:
-        return rest
-    layers = rest["model"]["layers"]
-    new_layers = dict(layers)
-    j = 0
-    for i in sorted(layers, key=int):
-        moe = layers[i].get("block_sparse_moe")
-        if moe is None:
-            continue
-        b = moe["e_score_correction_bias"]
-        if c.balance == "quantile":
-            nb = out.balance_bias[j].astype(b.dtype)
-        else:
-            nb = sign_update(b, out.expert_counts[j], c.sign_gamma).astype(b.dtype)
-        new_layers[i] = {**layers[i], "block_sparse_moe": {**moe, "e_score_correction_bias": nb,
-                                                           "qb_bounds": bias_bounds(nb)}}
-        j += 1
-    return {**rest, "model": {**rest["model"], "layers": new_layers}}
 
 
 # ------------------------------------------------------------------------------------------------- the loop
@@ -264,17 +252,18 @@ def train(c: TrainConfig, *, console=None, stop_after: int | None = None, on_ste
     model = K3ForCausalLM(cfg, rngs=nnx.Rngs(c.seed))
     graphdef, params_st, rest_st = nnx.split(model, nnx.Param, ...)
     params, rest = nnx.to_pure_dict(params_st), nnx.to_pure_dict(rest_st)
-    optimizer = make_optimizer(params, c.steps, c.optim)
-    mesh = None
+    optimizer = make_optimizer(muon_dims_tree(params_st), c.steps, c.optim)
+    mesh = ep = None
     if c.mesh:
         from k3jax.parallel.mesh import make_mesh
-        from k3jax.parallel.rules import shard_pure
+        from k3jax.parallel.rules import axes_tree, shard_pure
 
         mesh = make_mesh(c.mesh)
         if c.batch_size % (mesh.shape["data"] * mesh.shape["fsdp"]):
             raise ConfigError(f"training config: batch_size={c.batch_size} does not split over data×fsdp="
                               f"{mesh.shape['data'] * mesh.shape['fsdp']} (mesh {c.mesh})")
-        params, rest = shard_pure(params, mesh), shard_pure(rest, mesh)
+        params, rest = shard_pure(params, axes_tree(params_st), mesh), shard_pure(rest, axes_tree(rest_st), mesh)
+        ep = ExpertParallel(mesh, c.ep_method)
     opt_state = optimizer.init(params)
     shardings = None
     if mesh is not None:
@@ -282,7 +271,7 @@ def train(c: TrainConfig, *, console=None, stop_after: int | None = None, on_ste
 
         opt_state = replicate_unplaced(opt_state, mesh)       # optax's step counters are created off the mesh
         shardings = jax.tree.map(lambda x: x.sharding, (params, rest, opt_state))
-    step_fn, eval_fn = make_step(graphdef, params_st, rest_st, optimizer, c, cfg, shardings)
+    step_fn, eval_fn = make_step(graphdef, params_st, rest_st, optimizer, c, cfg, shardings, ep)
 
     ckpt = Checkpointer(out / "checkpoints", keep=c.keep, save_every=c.save_every, async_save=c.async_save)
     log = MetricsLog(out / ("metrics.jsonl" if primary else f"metrics.process{jax.process_index()}.jsonl"))
@@ -318,12 +307,7 @@ def train(c: TrainConfig, *, console=None, stop_after: int | None = None, on_ste
     tps = mfu = 0.0
     last_t = time.perf_counter()
     end = c.steps if stop_after is None else min(c.steps, stop_after)
-    import contextlib
-
-    from k3jax.parallel.mesh import ExpertParallel, expert_parallel
-
-    ep = expert_parallel(ExpertParallel(mesh, c.ep_method)) if mesh is not None else contextlib.nullcontext()
-    with bar, ep:
+    with bar:
         for step in range(start, end):
             batch = place_batch(data.train_batch(step, c.batch_size), mesh)
             params, rest, opt_state, m = step_fn(params, rest, opt_state, batch)

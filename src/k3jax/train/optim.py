@@ -1,11 +1,13 @@
 """Per-Head Muon for matrices (``optax.contrib.muon``) + AdamW for everything else; LR schedules; clipping.
 
-Muon orthogonalises each matrix's update. Attention projections are stored with a separate heads axis —
-KDA/MLA q, k, v, g ``[in, heads, head_dim]``, o ``[heads, head_dim, out]``, MLA q_b/kv_b ``[rank, heads, d]`` — and
-``MuonDimensionNumbers`` names only the reduction and output axes, so Newton–Schulz runs per head (heads are a
-batch axis). Routed experts ``[E, in, out]`` are per-expert matrices the same way. Updates are scaled to
-Moonlight's RMS (``consistent_rms=0.2``: 0.2·√max(fan_in, fan_out)). AdamW takes embeddings, the head, norms and
-gains, AttnRes vectors, conv kernels, A_log, dt_bias. Weight decay is decoupled for both.
+Muon orthogonalises each matrix's update. Which parameters are matrices, and how, is metadata set where each
+parameter is created (:mod:`k3jax.nn.layers`): ``var.muon`` is None (AdamW), ``"matrix"`` (the first
+``var.fan_in`` axes are the input) or ``"batched"`` (axes named ``heads`` / ``experts`` in ``var.axes`` are batch
+axes). Attention projections keep a separate heads axis — KDA/MLA q, k, v, g ``[in, heads, head_dim]``,
+o ``[heads, head_dim, out]``, MLA q_b/kv_b ``[rank, heads, d]`` — so ``MuonDimensionNumbers`` names only the
+reduction and output axes and Newton–Schulz runs per head; routed experts ``[E, in, out]`` per expert. Updates
+are scaled to Moonlight's RMS (``consistent_rms=0.2``: 0.2·√max(fan_in, fan_out)). AdamW takes embeddings, the
+head, norms and gains, AttnRes vectors, conv kernels, A_log, dt_bias. Weight decay is decoupled for both.
 """
 
 from __future__ import annotations
@@ -15,28 +17,31 @@ from dataclasses import dataclass
 import optax
 from optax.contrib import MuonDimensionNumbers as MDN
 
-PER_HEAD_IN = {"q_proj", "k_proj", "v_proj", "g_proj", "q_b_proj", "kv_b_proj"}   # [in, heads, d]
+BATCH_AXES = ("heads", "experts")
 
 
-def muon_dims(path: tuple, shape: tuple[int, ...]) -> MDN | None:
-    """The Muon dimension numbers for the parameter at ``path`` (an NNX state path), or None for AdamW."""
-    names = [str(p) for p in path]
-    leaf, parent = names[-1], names[-2] if len(names) > 1 else ""
-    if "embed_tokens" in names or parent == "lm_head" or len(shape) < 2:
+def muon_dims(var) -> MDN | None:
+    """The Muon dimension numbers of a parameter (an ``nnx.Variable`` with ``axes`` / ``muon`` / ``fan_in``
+    metadata), or None for AdamW."""
+    kind = getattr(var, "muon", None)
+    if kind is None:
         return None
-    if leaf != "kernel" and parent != "experts":
-        return None                      # AttnRes vectors, conv kernels, norms, A_log, dt_bias
-    if parent == "experts":              # [E, in, out]: one matrix per expert
-        return MDN(reduction_axis=1, output_axis=2)
-    if len(shape) == 3 and parent in PER_HEAD_IN:
-        return MDN(reduction_axis=0, output_axis=2)          # heads are axis 1 (batch)
-    if len(shape) == 3 and parent == "o_proj":
-        return MDN(reduction_axis=1, output_axis=2)          # [heads, head_dim, out]: heads batch
-    if len(shape) == 3 and parent == "f_b_proj":
-        return MDN(reduction_axis=0, output_axis=(1, 2))     # low-rank decay gate: one matrix
-    if len(shape) == 2:
-        return MDN(reduction_axis=0, output_axis=1)
-    return None
+    axes = tuple(var.axes)
+    fan_in = int(getattr(var, "fan_in", 1))
+    batch = {i for i, a in enumerate(axes) if a in BATCH_AXES} if kind == "batched" else set()
+    red = tuple(i for i in range(fan_in) if i not in batch)
+    out = tuple(i for i in range(fan_in, len(axes)) if i not in batch)
+    if not red or not out:
+        raise ValueError(f"muon: a {kind} parameter with axes {axes} (fan_in {fan_in}) has no matrix")
+    one = lambda t: t[0] if len(t) == 1 else t  # noqa: E731
+    return MDN(reduction_axis=one(red), output_axis=one(out))
+
+
+def muon_dims_tree(state) -> dict:
+    """``MuonDimensionNumbers`` (or None) for every parameter of an ``nnx.State``, nested like its pure dict."""
+    from k3jax.parallel.rules import metadata_tree
+
+    return metadata_tree(state, muon_dims)
 
 
 @dataclass
@@ -70,17 +75,9 @@ def schedule(peak: float, steps: int, c: OptimConfig) -> optax.Schedule:
     raise ValueError(f"schedule: expected 'cosine', 'wsd' or 'constant', got {c.schedule!r}")
 
 
-def dims_tree(params):
-    """``MuonDimensionNumbers`` (or None) for every leaf of a pure-dict parameter tree."""
-    import jax
-
-    return jax.tree_util.tree_map_with_path(
-        lambda kp, x: muon_dims(tuple(getattr(k, "key", getattr(k, "idx", k)) for k in kp), x.shape), params)
-
-
-def make_optimizer(params, steps: int, c: OptimConfig) -> optax.GradientTransformation:
-    """Clip by global norm, then Muon (per-head dims) / AdamW by parameter."""
-    dims = dims_tree(params)
+def make_optimizer(dims, steps: int, c: OptimConfig) -> optax.GradientTransformation:
+    """Clip by global norm, then Muon / AdamW by parameter: ``dims`` is :func:`muon_dims_tree` of the parameters
+    (a pure dict of ``MuonDimensionNumbers`` or None, the parameters' structure)."""
     muon = optax.contrib.muon(
         learning_rate=schedule(c.lr, steps, c), weight_decay=c.weight_decay,
         adam_learning_rate=schedule(c.adam_lr, steps, c), adam_weight_decay=c.weight_decay,
@@ -88,19 +85,16 @@ def make_optimizer(params, steps: int, c: OptimConfig) -> optax.GradientTransfor
     return optax.chain(optax.clip_by_global_norm(c.clip_norm), muon)
 
 
-def muon_partition(params) -> dict[str, list[str]]:
-    """Which parameters get Muon (with their dims) and which AdamW — for reports and tests."""
-    import jax
+def muon_partition(state) -> dict[str, list[str]]:
+    """Which parameters of an ``nnx.State`` get Muon and which AdamW (dotted paths) — for reports and tests."""
+    from flax import nnx
 
     out: dict[str, list[str]] = {"muon": [], "adamw": []}
-    for kp, x in jax.tree_util.tree_flatten_with_path(params)[0]:
-        path = tuple(getattr(k, "key", getattr(k, "idx", k)) for k in kp)
-        d = muon_dims(path, x.shape)
-        out["muon" if d else "adamw"].append(".".join(map(str, path)))
+    for path, var in nnx.to_flat_state(state):
+        out["muon" if muon_dims(var) else "adamw"].append(".".join(map(str, path)))
     return out
 
 
-def count_muon(params) -> tuple[int, int]:
-    p = muon_partition(params)
+def count_muon(state) -> tuple[int, int]:
+    p = muon_partition(state)
     return len(p["muon"]), len(p["adamw"])
-
