@@ -78,10 +78,18 @@ class MLACache(_SlotRows):
     def capacity(self) -> int:
         return self.c_kv.shape[1]
 
-    def append(self, c_kv: jax.Array, k_r: jax.Array, pos: jax.Array) -> "MLACache":
-        """Write a chunk's latents ``c_kv [B, T, R]``, ``k_r [B, T, Dr]`` at positions ``pos[b] + t``."""
-        write = jax.vmap(lambda buf, new, p: jax.lax.dynamic_update_slice_in_dim(buf, new.astype(buf.dtype), p, 0))
-        return MLACache(write(self.c_kv, c_kv, pos), write(self.k_r, k_r, pos))
+    def append(self, c_kv: jax.Array, k_r: jax.Array, pos: jax.Array, n_new: jax.Array) -> "MLACache":
+        """Write a chunk's latents ``c_kv [B, T, R]``, ``k_r [B, T, Dr]`` at positions ``pos[b] + t`` for the
+        first ``n_new[b]`` tokens of row b (padding rows leave what the cache held: a slot given no tokens is
+        untouched)."""
+        T = c_kv.shape[1]
+
+        def write(buf, new, p, n):
+            old = jax.lax.dynamic_slice_in_dim(buf, p, T, 0)
+            new = jnp.where((jnp.arange(T) < n)[:, None], new.astype(buf.dtype), old)
+            return jax.lax.dynamic_update_slice_in_dim(buf, new, p, 0)
+
+        return MLACache(jax.vmap(write)(self.c_kv, c_kv, pos, n_new), jax.vmap(write)(self.k_r, k_r, pos, n_new))
 
     def attend(self, q_latent: jax.Array, q_rope: jax.Array, q_pos: jax.Array, kv_len: jax.Array,
                scale: float) -> jax.Array:

@@ -61,9 +61,9 @@ class MLAttention(nnx.Module):
 
         Without a cache: causal attention over the sequence in expanded form (``segment_ids [B, T]`` keeps packed
         documents apart). With ``cache`` (:class:`MLACache`): the chunk sits at positions ``pos[b] + t`` and only
-        its first ``n_new[b]`` tokens are real (padding is written but masked until overwritten); its latents are
-        appended, then it attends over positions ``< pos + n_new`` causally in absorbed form — the queries move into
-        the latent space (``q_n W_k``), keys and values are never expanded per head.
+        its first ``n_new[b]`` tokens are real; their latents are appended (padding writes nothing), then it
+        attends over positions ``< pos + n_new`` causally in absorbed form — the queries move into the latent
+        space (``q_n W_k``), keys and values are never expanded per head.
         """
         q_n, q_r = self.queries(x)
         c_kv, k_r = self.latent(x)
@@ -75,7 +75,7 @@ class MLAttention(nnx.Module):
             B, T = x.shape[:2]
             if n_new is None:
                 n_new = jnp.full((B,), T, jnp.int32)
-            cache = cache.append(c_kv, k_r, pos)
+            cache = cache.append(c_kv, k_r, pos, n_new)
             w = self.kv_b_proj.kernel[...]                                        # [R, nh, dn + dv]
             f32 = jnp.promote_types(x.dtype, jnp.float32)
             q_lat = jnp.einsum("btnd,rnd->btnr", q_n.astype(f32), w[..., : self.dn].astype(f32),
