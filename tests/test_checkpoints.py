@@ -10,6 +10,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -291,3 +292,150 @@ def test_load_onto_an_expert_mesh(pair, tmp_path):
                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert res.returncode == 0, res.stderr[-2000:]
     assert float(res.stdout.split("maxdiff")[-1]) <= 1e-6
+
+
+# ------------------------------------------------------------------------------ legacy Orbax checkpoints
+def _legacy(tree: dict) -> dict:
+    """A copy of a (full or non-Param) pure state dict as older k3jax versions saved it: every MoE layer's
+    ``block_sparse_moe`` holds ``qb_bounds`` (added where the model no longer has it) and ``legacy_stat`` (a
+    stand-in legacy key, so that dropping is exercised whether or not the model still has ``qb_bounds``)."""
+    out = jax.tree.map(np.asarray, tree)
+    n = 0
+    for layer in out["model"]["layers"].values():
+        moe = layer.get("block_sparse_moe")
+        if moe is not None and "e_score_correction_bias" in moe:
+            moe.setdefault("qb_bounds", np.asarray([-1.0, 1.0], np.float32))
+            moe["legacy_stat"] = np.zeros(3, np.float32)
+            n += 1
+    assert n > 0
+    return out
+
+
+def _without_legacy(tree: dict) -> dict:
+    out = jax.tree.map(lambda x: x, tree)
+    for layer in out["model"]["layers"].values():
+        for k in ("qb_bounds", "legacy_stat"):
+            layer.get("block_sparse_moe", {}).pop(k, None)
+    return out
+
+
+def _flat(tree: dict) -> dict[str, np.ndarray]:
+    return {"/".join(str(getattr(k, "key", k)) for k in path): np.asarray(v)
+            for path, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _assert_same_state(a: dict, b: dict):
+    fa, fb = _flat(a), _flat(b)
+    assert fa.keys() == fb.keys()
+    for k in fa:
+        assert fa[k].dtype == fb[k].dtype and fa[k].tobytes() == fb[k].tobytes(), k
+
+
+@pytest.fixture(scope="module")
+def small_model():
+    return k3jax.K3ForCausalLM(K3Config.from_preset("test"), rngs=nnx.Rngs(7))
+
+
+@pytest.fixture
+def legacy_keys(monkeypatch):
+    import k3jax.io.orbax as orbax_io
+
+    monkeypatch.setattr(orbax_io, "LEGACY_KEYS", orbax_io.LEGACY_KEYS | {"legacy_stat"})
+    assert "qb_bounds" in orbax_io.LEGACY_KEYS
+
+
+def _export_with(model, d, fn):
+    import orbax.checkpoint as ocp
+
+    save_orbax(model, d)
+    state = fn(nnx.to_pure_dict(nnx.state(model)))
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(d / "params", state, force=True)
+    return d
+
+
+def _run_with(model, run, rest_fn=lambda r: r, step=3):
+    """A ``k3jax train`` run directory whose checkpoint ``step`` holds (params, rest_fn(rest), Adam state)."""
+    import optax
+
+    from k3jax.train.checkpoint import Checkpointer
+
+    run.mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps(model.config.to_release_dict()))
+    (run / "train_config.json").write_text(json.dumps({"tokenizer": "bytes"}))
+    _, p, r = nnx.split(model, nnx.Param, ...)
+    params, rest = nnx.to_pure_dict(p), nnx.to_pure_dict(r)
+    opt_state = optax.adam(1e-3).init(params)
+    ck = Checkpointer(run / "checkpoints", async_save=False)
+    ck.save(step, (params, rest_fn(rest), opt_state), {"step": step, "data_step": step, "loss": 1.5}, force=True)
+    ck.close()
+    return params, rest, opt_state
+
+
+def test_legacy_orbax_export_loads(small_model, legacy_keys, tmp_path):
+    d = _export_with(small_model, tmp_path / "export", _legacy)
+    loaded = load_orbax(d)
+    _assert_same_state(nnx.to_pure_dict(nnx.state(loaded)), nnx.to_pure_dict(nnx.state(small_model)))
+    assert "legacy_stat" not in nnx.to_pure_dict(nnx.state(loaded))["model"]["layers"][1]["block_sparse_moe"]
+    from k3jax.infer.load import load_model
+
+    model, tok, what = load_model(str(d))
+    assert what == f"Orbax export {d}" and tok.name == "bytes"
+
+
+def test_legacy_training_run_loads_and_resumes(small_model, legacy_keys, tmp_path):
+    from k3jax.infer.load import load_model, load_training_run
+    from k3jax.train.checkpoint import Checkpointer
+
+    run = tmp_path / "run"
+    params, rest, opt_state = _run_with(small_model, run, _legacy)
+    want = nnx.to_pure_dict(nnx.state(small_model))
+    _assert_same_state(nnx.to_pure_dict(nnx.state(load_training_run(run))), want)
+    model, _, what = load_model(str(run))
+    assert what == f"training run {run}"
+    _assert_same_state(nnx.to_pure_dict(nnx.state(model)), want)
+    # training resume: into the live (params, rest, opt_state), here with a rest that has no qb_bounds at all
+    target = (params, _without_legacy(rest), opt_state)
+    (p2, r2, o2), meta = Checkpointer(run / "checkpoints").restore(3, target)
+    assert meta == {"step": 3, "data_step": 3, "loss": 1.5}
+    _assert_same_state(p2, params)
+    _assert_same_state(r2, _without_legacy(rest))
+    assert jax.tree.structure(o2) == jax.tree.structure(opt_state)
+    for a, b in zip(jax.tree.leaves(o2), jax.tree.leaves(opt_state)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_orbax_mismatches_are_named(small_model, tmp_path):
+    from k3jax.infer.load import load_training_run
+    from k3jax.train.checkpoint import Checkpointer
+
+    def unknown(t):
+        t = jax.tree.map(np.asarray, t)
+        t["model"]["layers"][1]["block_sparse_moe"]["mystery"] = np.zeros(2, np.float32)
+        return t
+
+    def missing(t):
+        t = jax.tree.map(np.asarray, t)
+        del t["model"]["norm"]["weight"]
+        return t
+
+    def misshapen(t):
+        t = jax.tree.map(np.asarray, t)
+        t["model"]["layers"][2]["block_sparse_moe"]["e_score_correction_bias"] = np.zeros(5, np.float32)
+        return t
+
+    bias = "model/layers/2/block_sparse_moe/e_score_correction_bias"
+    for name, fn, pattern in [("unknown", unknown, r"unknown model/layers/1/block_sparse_moe/mystery \(shape \[2\]\)"),
+                              ("missing", missing, r"missing model/norm/weight"),
+                              ("misshapen", misshapen, rf"{bias}: saved shape \[5\], expected \[8\]")]:
+        d = _export_with(small_model, tmp_path / name, fn)
+        with pytest.raises(CheckpointError, match=rf"{d / 'params'}: does not match the model of "
+                                                  rf"{d / 'config.json'}: {pattern}"):
+            load_orbax(d)
+    run = tmp_path / "run"
+    params, rest, opt_state = _run_with(small_model, run, unknown)
+    state_dir = run / "checkpoints" / "3" / "state"
+    with pytest.raises(CheckpointError, match=rf"{state_dir}: .*unknown 1/model/layers/1/block_sparse_moe/mystery"):
+        load_training_run(run)
+    with pytest.raises(CheckpointError, match=rf"{state_dir}: .*unknown 1/model/layers/1/block_sparse_moe/mystery"):
+        Checkpointer(run / "checkpoints").restore(3, (params, rest, opt_state))

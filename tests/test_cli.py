@@ -1,7 +1,17 @@
+import json
+import os
+import shutil
+import subprocess
+import sys
+from importlib import resources
+from pathlib import Path
+
 import pytest
 
+import k3jax
 from k3jax import K3Config
 from k3jax.cli import main
+from k3jax.config import ConfigError, preset_names, resolve_config
 from k3jax.params import parameter_table
 
 
@@ -38,3 +48,41 @@ def test_generate_from_a_release_checkpoint(capsys, tmp_path):
     assert f"release checkpoint {tmp_path / 'rel'}" in out and "cache per sequence" in out
     assert main(["generate", "--model", str(tmp_path / "nope")]) == 2
     assert "neither a preset" in capsys.readouterr().out
+
+
+def test_resolve_config_an_existing_path_wins_over_a_preset(capsys, tmp_path, monkeypatch):
+    assert sorted(preset_names()) == sorted(p.name[:-5] for p in resources.files("k3jax").joinpath("presets").iterdir()
+                                            if p.name.endswith(".json"))
+    test_cfg = K3Config.from_preset("test")
+    assert resolve_config("tiny") == K3Config.from_preset("tiny")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny").mkdir()                       # a directory named like a preset, holding another config
+    (tmp_path / "tiny" / "config.json").write_text(json.dumps(test_cfg.to_release_dict()))
+    assert resolve_config("tiny") == resolve_config(tmp_path / "tiny" / "config.json") == test_cfg
+    assert main(["params", "tiny"]) == 0
+    assert f"{parameter_table(test_cfg).total:,}" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match=r"'nope': neither a preset \(k3, kimi-linear-48b, tiny, 100m, test\) nor"):
+        resolve_config("nope")
+    assert main(["inspect", "nope"]) == 2 and "neither a preset" in capsys.readouterr().out
+
+
+def test_bench_runs_the_checkout_benchmarks_without_touching_sys_path(capsys):
+    path = list(sys.path)
+    assert main(["bench", "--list"]) == 0
+    assert "roofline" in capsys.readouterr().out
+    assert sys.path == path
+    assert Path(sys.modules["benchmarks.run"].__file__).resolve() == \
+        Path(__file__).resolve().parent.parent / "benchmarks" / "run.py"
+
+
+def test_bench_from_an_installed_package_says_it_needs_a_checkout(tmp_path):
+    """k3jax as installed (a site-packages copy, no benchmarks/ next to it): a clear error, exit code 2."""
+    site = tmp_path / "site"
+    shutil.copytree(Path(k3jax.__file__).parent, site / "k3jax", ignore=shutil.ignore_patterns("__pycache__"))
+    code = "import sys, k3jax; from k3jax.cli import main; print('k3jax from', k3jax.__file__); sys.exit(main(sys.argv[1:]))"
+    res = subprocess.run([sys.executable, "-c", code, "bench", "--list"], capture_output=True, text=True, cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": str(site), "JAX_PLATFORMS": "cpu"}, timeout=300)
+    out = " ".join(res.stdout.split())
+    assert f"k3jax from {site / 'k3jax' / '__init__.py'}" in out, res.stdout + res.stderr
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "k3jax bench needs a source checkout" in out and "python -m benchmarks.run" in out

@@ -11,16 +11,10 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from k3jax.config import ConfigError, K3Config, preset_names
+from k3jax.config import ConfigError, K3Config, preset_names, resolve_config
 from k3jax.io.safetensors import CheckpointError
 
 console = Console(width=None if sys.stdout.isatty() else 120)
-
-
-def _load_config(name_or_path: str) -> K3Config:
-    if name_or_path in preset_names():
-        return K3Config.from_preset(name_or_path)
-    return K3Config.from_json(name_or_path)
 
 
 def params_table(cfg: K3Config, title: str, counts=None) -> Table:
@@ -44,20 +38,9 @@ def params_table(cfg: K3Config, title: str, counts=None) -> Table:
 
 
 def cmd_params(args: argparse.Namespace) -> int:
-    cfg = _load_config(args.model)
+    cfg = resolve_config(args.model)
     console.print(params_table(cfg, f"parameters of {args.model} (counted with jax.eval_shape, nothing allocated)"))
     return 0
-
-
-def _inspect_target(target: str) -> K3Config:
-    from pathlib import Path
-
-    if target in preset_names():
-        return K3Config.from_preset(target)
-    p = Path(target)
-    if not p.exists():
-        raise FileNotFoundError(f"{target}: neither a preset ({', '.join(preset_names())}) nor a path")
-    return K3Config.from_json(p)
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -65,7 +48,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
     from k3jax.costs import human_bytes, inspect_config
 
-    cfg = _inspect_target(args.model)
+    cfg = resolve_config(args.model)
     rep = inspect_config(cfg, S=args.S, K=args.K, R=args.R)
     if args.json:
         print(json.dumps(rep, indent=2))
@@ -170,7 +153,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     import jax
 
-    from k3jax.train.loop import TrainConfig, greedy_sample, train
+    from k3jax.infer.sample_text import greedy_sample
+    from k3jax.train.loop import TrainConfig, train
 
     c = TrainConfig.load(None, [f"out={args.out}", f"steps={args.steps}", "batch_size=8", "seq_len=128",
                                 "eval_every=30", "save_every=50", "eval_batches=16", "resume=false"])
@@ -264,17 +248,44 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    """``python -m benchmarks.run ARGS`` of the source checkout this package is installed from (the benchmarks are
-    not part of the installed package)."""
-    root = Path(__file__).resolve().parents[2]
-    if not (root / "benchmarks" / "run.py").is_file():
-        raise FileNotFoundError(f"k3jax bench runs the benchmarks/ folder of a source checkout, and there is none at "
-                                f"{root} (clone the repository and `pip install -e .` from it)")
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
-    from benchmarks import run
+def source_checkout() -> Path | None:
+    """The root of the source checkout this package runs from (``src/k3jax`` beside ``benchmarks/run.py`` and
+    ``pyproject.toml``), or ``None`` for an installed package."""
+    pkg = Path(__file__).resolve().parent
+    root = pkg.parents[1]
+    if pkg.parent.name == "src" and (root / "benchmarks" / "run.py").is_file() and (root / "pyproject.toml").is_file():
+        return root
+    return None
 
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """``python -m benchmarks.run ARGS`` of the source checkout this package runs from (the benchmarks are not part
+    of the installed package); the benchmarks package is imported from its file, ``sys.path`` is left alone."""
+    import importlib
+    import importlib.util
+
+    root = source_checkout()
+    if root is None:
+        raise FileNotFoundError(
+            f"k3jax bench needs a source checkout: it runs the benchmarks/ folder of a source checkout, which is not "
+            f"installed with the package ({Path(__file__).resolve().parent}). Clone the k3jax repository and "
+            f"`pip install -e .` from it, then run `k3jax bench …` (or `python -m benchmarks.run …` in its root)")
+    pkg_dir = root / "benchmarks"
+    loaded = sys.modules.get("benchmarks")
+    if loaded is None:
+        spec = importlib.util.spec_from_file_location("benchmarks", pkg_dir / "__init__.py",
+                                                      submodule_search_locations=[str(pkg_dir)])
+        loaded = importlib.util.module_from_spec(spec)
+        sys.modules["benchmarks"] = loaded
+        try:
+            spec.loader.exec_module(loaded)
+        except BaseException:
+            del sys.modules["benchmarks"]
+            raise
+    elif Path(getattr(loaded, "__file__", "") or "").resolve().parent != pkg_dir.resolve():
+        raise FileNotFoundError(f"k3jax bench: a different `benchmarks` module is already imported "
+                                f"({getattr(loaded, '__file__', loaded)}), not {pkg_dir}")
+    run = importlib.import_module("benchmarks.run")
     res = run.main(list(args.args))
     return 1 if res.get("failed") else 0
 
@@ -328,10 +339,12 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--json", default=None, help="also write tokens, text and stats here")
     g.set_defaults(fn=cmd_generate)
     q = sub.add_parser("params", help="parameter counts of a preset or a config.json / checkpoint directory")
-    q.add_argument("model", help=f"preset ({', '.join(preset_names())}) or path")
+    q.add_argument("model", help=f"a config.json or a directory holding one, or a preset "
+                   f"({', '.join(preset_names())}); an existing path wins over a preset name")
     q.set_defaults(fn=cmd_params)
     i = sub.add_parser("inspect", help="parameters, weight bytes, decode state, all-to-all buffers, FLOPs per token")
-    i.add_argument("model", help=f"preset ({', '.join(preset_names())}) or a checkpoint directory / config.json")
+    i.add_argument("model", help=f"a checkpoint directory / config.json, or a preset ({', '.join(preset_names())});"
+                   f" an existing path wins over a preset name")
     i.add_argument("--json", action="store_true", help="machine-readable output")
     i.add_argument("--S", type=int, default=4096, help="tokens per expert-parallel rank (default 4096)")
     i.add_argument("--K", type=int, default=None, help="experts per token (default: the config's top-k)")

@@ -185,7 +185,8 @@ class K3Config:
 
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> "K3Config":
-        """One of :func:`preset_names` (``k3``, ``kimi-linear-48b``, ``tiny``, ``test``), fields overridable."""
+        """One of :func:`preset_names` (``k3``, ``kimi-linear-48b``, ``tiny``, ``100m``, ``test``), fields
+        overridable. A name or a path, as users give it: :func:`resolve_config`."""
         if name not in preset_names():
             raise ConfigError(f"unknown preset {name!r}; choose one of {', '.join(preset_names())}")
         text = resources.files("k3jax").joinpath("presets", f"{name}.json").read_text()
@@ -415,4 +416,25 @@ def _normalise_hf_aliases(d: dict[str, Any]) -> dict[str, Any]:
 
 
 def preset_names() -> list[str]:
+    """The presets shipped in ``k3jax/presets/``: ``k3`` (the release), ``kimi-linear-48b``, and the small ``100m``,
+    ``tiny`` (the demo's) and ``test`` (every K3 feature at test size)."""
     return ["k3", "kimi-linear-48b", "tiny", "100m", "test"]
+
+
+def resolve_config(name_or_path: str | Path) -> K3Config:
+    """The config a user names — on the command line (``k3jax params/inspect/generate``, ``--preset``) or as
+    ``TrainConfig.model`` — with one precedence:
+
+    1. an **existing path** wins: a ``config.json`` file, or a directory holding one (a checkpoint, an Orbax
+       export, a training run), read with :meth:`K3Config.from_json` (a directory without one raises
+       ``FileNotFoundError``);
+    2. else a **preset name** (:func:`preset_names`);
+    3. else :class:`ConfigError` listing the presets.
+    """
+    p = Path(name_or_path)
+    if p.exists():
+        return K3Config.from_json(p)
+    if str(name_or_path) in preset_names():
+        return K3Config.from_preset(str(name_or_path))
+    raise ConfigError(f"{str(name_or_path)!r}: neither a preset ({', '.join(preset_names())}) nor an existing path "
+                      f"(a config.json or a directory holding one)")

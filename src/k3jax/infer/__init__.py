@@ -1,4 +1,5 @@
-"""Inference: caches, the prefill/decode engine, sampling, tokenizers."""
+"""Inference: the prefill/decode engine, sampling, loading a model for it (``infer.load``) and text sampling
+(``infer.sample_text``). Tokenizers are :mod:`k3jax.tokenizer`, shared with training."""
 
 from k3jax.infer.engine import Engine, GenerateResult, GenerationError, generate
 

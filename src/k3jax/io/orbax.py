@@ -1,20 +1,35 @@
-"""The training checkpoint format: an Orbax checkpoint of the model's variables beside its ``config.json``.
+"""k3jax's Orbax formats, and the one reader of model variables from them.
 
-Layout of a directory ``PATH``::
+Two layouts hold a model's variables:
 
-    PATH/config.json    the HF config (release wrapper kept), as in a safetensors checkpoint
-    PATH/k3jax.json     {"format": "k3jax-orbax-1", "expert_dtype": …}
-    PATH/params/        Orbax StandardCheckpointer of the NNX state (a pure dict keyed by parameter path)
+* an **export** directory ``PATH`` (:func:`save_orbax`, ``k3jax convert``)::
 
-Training checkpoints store their model variables under the same ``params`` layout, so :func:`load_orbax` reads
-either, and ``k3jax convert`` moves between this format and the release's safetensors.
+      PATH/config.json    the HF config (release wrapper kept), as in a safetensors checkpoint
+      PATH/k3jax.json     {"format": "k3jax-orbax-1", "expert_dtype": …}
+      PATH/params/        Orbax PyTree of the NNX state (a pure dict keyed by variable path)
+
+* a **training checkpoint** of ``k3jax train`` (:mod:`k3jax.train.checkpoint`): ``RUN/checkpoints/<step>/state``, an
+  Orbax PyTree ``(params, rest, optimizer state)`` — ``params`` the ``nnx.Param`` variables, ``rest`` the other
+  model variables (router biases), both pure dicts — with the run's config in ``RUN/config.json``.
+
+:func:`restore_model` reads the model from either (a training checkpoint's optimizer state is not read):
+:func:`load_orbax` reads an export through it, :func:`k3jax.infer.load.load_training_run` a run. Underneath is
+:func:`restore_tree`, the checked restore that the training resume uses as well. ``k3jax convert`` moves between the
+export format and the release's safetensors.
+
+The saved tree must match what it is read into: every variable present, none unknown, the same shapes; otherwise
+:class:`~k3jax.io.safetensors.CheckpointError` names the variable and the directory. The one exception are
+:data:`LEGACY_KEYS`, variables that older k3jax versions saved: where the target has no such variable, the saved
+one is skipped (never read) and left out of the result, so checkpoints written before a variable was removed load.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
+import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
@@ -23,6 +38,20 @@ from k3jax.io.safetensors import CheckpointError
 from k3jax.nn.model import K3ForCausalLM
 
 FORMAT = "k3jax-orbax-1"
+
+# Variables that checkpoints of older k3jax versions hold and newer models may lack. ``qb_bounds``: the Quantile
+# Balancing bounds ``[min b − 1, max b + 1]`` once stored per MoE layer (``model/layers/<i>/block_sparse_moe``);
+# they are recomputed from the router bias.
+LEGACY_KEYS = frozenset({"qb_bounds"})
+
+
+class _Skip:
+    def __repr__(self) -> str:
+        return "SKIP"
+
+
+SKIP = _Skip()
+"""A :func:`restore_tree` target subtree: whatever the checkpoint holds there is neither checked nor read."""
 
 
 def is_orbax_checkpoint(path: str | Path) -> bool:
@@ -43,7 +72,7 @@ def save_orbax(model: K3ForCausalLM, path: str | Path) -> Path:
 
 
 def load_orbax(path: str | Path, *, dtype: str | None = None) -> K3ForCausalLM:
-    """Read a directory written by :func:`save_orbax` (or a training checkpoint's model part)."""
+    """Read an export directory written by :func:`save_orbax` (``dtype`` overrides the config's compute dtype)."""
     path = Path(path).absolute()
     meta_file = path / "k3jax.json"
     if not meta_file.exists():
@@ -54,15 +83,138 @@ def load_orbax(path: str | Path, *, dtype: str | None = None) -> K3ForCausalLM:
     cfg = K3Config.from_json(path / "config.json").replace(expert_dtype=meta.get("expert_dtype"))
     if dtype is not None:
         cfg = cfg.replace(dtype=dtype)
+    return restore_model(cfg, path / "params", against=str(path / "config.json"))
+
+
+def restore_model(cfg: K3Config, item_dir: str | Path, *, training_state: bool = False,
+                  against: str | None = None) -> K3ForCausalLM:
+    """The model of ``cfg`` with its variables read from the Orbax PyTree at ``item_dir``, on the default device.
+
+    ``item_dir`` is an export's ``params`` (the pure dict of every model variable) or, with ``training_state``, a
+    training checkpoint's ``state`` (``(params, rest, optimizer state)``; the optimizer state is not read). Arrays
+    are read as the model's dtypes (so a compute-dtype override casts). ``against`` names the config in errors.
+    """
     abstract = nnx.eval_shape(lambda: K3ForCausalLM(cfg, rngs=nnx.Rngs(0)))
-    graphdef, state = nnx.split(abstract)
-    target = nnx.to_pure_dict(state)
-    if not (path / "params").exists():
-        raise CheckpointError(f"{path / 'params'}: missing (Orbax variables of the model)")
-    with ocp.StandardCheckpointer() as ckptr:
-        try:
-            restored = ckptr.restore(path / "params", target)
-        except (ValueError, KeyError, FileNotFoundError) as e:
-            raise CheckpointError(f"{path / 'params'}: does not match {path / 'config.json'} ({e})") from None
-    nnx.replace_by_pure_dict(state, restored)
-    return nnx.merge(graphdef, state)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+    def target_of(state):
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
+                            nnx.to_pure_dict(state))
+
+    if training_state:
+        graphdef, *states = nnx.split(abstract, nnx.Param, ...)
+        target: Any = (target_of(states[0]), target_of(states[1]), SKIP)
+    else:
+        graphdef, *states = nnx.split(abstract)
+        target = target_of(states[0])
+    restored = restore_tree(item_dir, target, against=f"the model of {against}" if against else "the model")
+    for state, pure in zip(states, restored[:2] if training_state else (restored,)):
+        nnx.replace_by_pure_dict(state, pure)
+    return nnx.merge(graphdef, *states)
+
+
+def saved_tree(item_dir: str | Path) -> Any:
+    """The tree an Orbax PyTree directory holds, as metadata (leaves carry ``shape`` and ``dtype``)."""
+    item_dir = Path(item_dir).absolute()
+    if not item_dir.is_dir():
+        raise CheckpointError(f"{item_dir}: missing (expected an Orbax checkpoint directory)")
+    try:
+        with ocp.PyTreeCheckpointer() as ckptr:
+            meta = ckptr.metadata(item_dir)
+    except (ValueError, KeyError, FileNotFoundError) as e:
+        raise CheckpointError(f"{item_dir}: not a readable Orbax checkpoint ({e})") from None
+    meta = getattr(meta, "item_metadata", meta)
+    return getattr(meta, "tree", meta)
+
+
+def restore_tree(item_dir: str | Path, target: Any, *, against: str | None = None) -> Any:
+    """Read the Orbax PyTree at ``item_dir`` into the structure of ``target``, checked against what was saved.
+
+    ``target``'s leaves are arrays (restored with their sharding and dtype) or ``jax.ShapeDtypeStruct`` (restored
+    as ``jax.Array`` on their sharding, or as NumPy arrays without one); a subtree may be :data:`SKIP`. Nested
+    dicts, lists and tuples are compared key by key: a variable missing from the checkpoint, one the target does
+    not have, or a shape that differs raises :class:`CheckpointError` naming each and ``item_dir`` — except saved
+    :data:`LEGACY_KEYS` absent from the target, which are skipped and are not in the result. Other nodes (e.g. an
+    optimizer state) are checked by Orbax, whose mismatch errors are raised as :class:`CheckpointError` too.
+    """
+    item_dir = Path(item_dir).absolute()
+    saved = saved_tree(item_dir)
+    problems: list[str] = []
+    dropped: list[tuple] = []
+    item = _restore_item(saved, target, (), problems, dropped)
+    if problems:
+        shown = "; ".join(problems[:12]) + (f"; … {len(problems) - 12} more" if len(problems) > 12 else "")
+        raise CheckpointError(f"{item_dir}: does not match {against or 'the target'}: {shown}")
+    try:
+        with ocp.PyTreeCheckpointer() as ckptr:
+            out = ckptr.restore(item_dir, args=ocp.args.PyTreeRestore(
+                item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item)))
+    except (ValueError, KeyError, TypeError, FileNotFoundError) as e:
+        raise CheckpointError(f"{item_dir}: does not match {against or 'the target'} ({e})") from None
+    for path in dropped:
+        node = out
+        for k in path[:-1]:
+            node = node[k]
+        del node[path[-1]]
+    return out
+
+
+def _name(path: tuple) -> str:
+    return "/".join(str(k) for k in path) or "(root)"
+
+
+def _describe(m: Any) -> str:
+    shape = getattr(m, "shape", None)
+    if shape is not None:
+        return f"shape {list(shape)}"
+    return type(m).__name__ if not isinstance(m, (dict, list, tuple)) else f"a {type(m).__name__} of {len(m)}"
+
+
+def _skipped(saved: Any) -> Any:
+    """``saved``'s structure with every leaf a placeholder (Orbax leaves those unread)."""
+    if isinstance(saved, dict):
+        return {k: _skipped(v) for k, v in saved.items()}
+    if isinstance(saved, (list, tuple)):
+        return type(saved)(_skipped(v) for v in saved)
+    return saved if saved is None else ocp.PLACEHOLDER
+
+
+def _restore_item(saved: Any, target: Any, path: tuple, problems: list[str], dropped: list[tuple]) -> Any:
+    """The restore item for ``target``: its own leaves where the checkpoint has them, placeholders for skipped
+    saved subtrees (``SKIP``, legacy keys); every other difference goes to ``problems``."""
+    if target is SKIP:
+        return _skipped(saved)
+    if isinstance(target, dict):
+        if not isinstance(saved, dict):
+            problems.append(f"{_name(path)}: saved {_describe(saved)}, expected a mapping")
+            return target
+        saved_keys = {str(k): k for k in saved}
+        target_keys = {str(k) for k in target}
+        out = {}
+        for k, t in target.items():
+            if str(k) not in saved_keys:
+                problems.append(f"missing {_name(path + (k,))}" + (f" ({_describe(t)})" if hasattr(t, "shape") else ""))
+                continue
+            out[k] = _restore_item(saved[saved_keys[str(k)]], t, path + (k,), problems, dropped)
+        for sk, s in saved.items():
+            if str(sk) in target_keys:
+                continue
+            if str(sk) in LEGACY_KEYS:
+                out[sk] = _skipped(s)
+                dropped.append(path + (sk,))
+            else:
+                problems.append(f"unknown {_name(path + (sk,))} ({_describe(s)})")
+        return out
+    if type(target) in (list, tuple):                    # not namedtuples: those are Orbax's to compare
+        if not isinstance(saved, (list, tuple)) or len(saved) != len(target):
+            problems.append(f"{_name(path)}: saved {_describe(saved)}, expected a sequence of {len(target)}")
+            return target
+        return type(target)(_restore_item(s, t, path + (i,), problems, dropped)
+                            for i, (s, t) in enumerate(zip(saved, target)))
+    if hasattr(target, "shape") and hasattr(target, "dtype"):
+        shape = getattr(saved, "shape", None)
+        if shape is None:
+            problems.append(f"{_name(path)}: saved {_describe(saved)}, expected an array of shape {list(target.shape)}")
+        elif tuple(shape) != tuple(target.shape):
+            problems.append(f"{_name(path)}: saved shape {list(shape)}, expected {list(target.shape)}")
+    return target

@@ -1,8 +1,15 @@
-"""Training checkpoints with Orbax: model variables, optimizer state, QB state, data position, step.
+"""Training checkpoints with Orbax: model variables, optimizer state, data position, step.
 
-``CKPT_DIR/<step>/`` holds ``state`` (an Orbax PyTree: params, non-trainable model state — router biases and QB
-bounds — and the optimizer state) and ``meta`` (JSON: step, data position, config, metrics so far). Saves are
-asynchronous and atomic (Orbax writes to a temporary directory and renames on commit); the last ``keep`` are kept.
+``CKPT_DIR/<step>/`` holds ``state`` (an Orbax PyTree ``(params, rest, opt_state)``: the ``nnx.Param`` variables,
+the other model variables — router biases — and the optimizer state) and ``meta`` (JSON written by the training
+loop: ``step``, ``data_step`` — the data iterator's position — and that step's ``loss``). The run's model config is
+not in the checkpoint but beside it, in ``RUN/config.json``. Saves are asynchronous and atomic (Orbax writes to a
+temporary directory and renames on commit); the last ``keep`` are kept.
+
+Restoring goes through :func:`k3jax.io.orbax.restore_tree`, the reader that model loading uses too: the saved tree
+must match the target variable for variable and shape for shape (else ``CheckpointError`` naming the variable),
+except saved :data:`~k3jax.io.orbax.LEGACY_KEYS` the target lacks (e.g. the ``qb_bounds`` that older runs kept in
+``rest``), which are skipped.
 """
 
 from __future__ import annotations
@@ -11,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import orbax.checkpoint as ocp
+
+from k3jax.io.orbax import restore_tree
 
 
 class Checkpointer:
@@ -28,9 +37,10 @@ class Checkpointer:
                                                                meta=ocp.args.JsonSave(meta)), force=force)
 
     def restore(self, step: int, target: Any) -> tuple[Any, dict]:
-        out = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
-                                                                 meta=ocp.args.JsonRestore()))
-        return out["state"], out["meta"]
+        """``(state, meta)`` of ``step``; ``state`` has ``target``'s structure, shardings and dtypes."""
+        state = restore_tree(self.dir / str(step) / "state", target, against="this run's training state")
+        meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        return state, meta
 
     def wait(self) -> None:
         self.manager.wait_until_finished()

@@ -1,11 +1,12 @@
-"""Training data: an embedded default corpus, user data, tokenizers, and packing into fixed-length rows.
+"""Training data: an embedded default corpus, user data, and packing into fixed-length rows.
 
 * Default corpus: the ``.py`` sources of this Python's standard library (real text on every machine, no
   download), chosen deterministically (sorted relative paths, test suites and vendored packages excluded) up to a
   byte budget; its SHA-256 is recorded so a run says exactly what it trained on.
 * User data: a ``.txt`` file (one document), a ``.jsonl`` file (one document per line, field ``text`` by default),
   or a directory (every ``.txt``/``.md``/``.py``/``.jsonl`` file under it, sorted).
-* Tokenizers: bytes (UTF-8, ids 0–255, BOS/EOS/PAD after them) or a Hugging Face ``tokenizer.json``.
+* Tokenizers: :mod:`k3jax.tokenizer` (bytes, a Hugging Face ``tokenizer.json`` or a release ``tiktoken.model``),
+  shared with inference; its :class:`~k3jax.tokenizer.DataError` is the error of this module too.
 * Packing: documents become ``[BOS] tokens [EOS]`` and are concatenated into rows of ``seq_len + 1`` tokens with a
   segment id per position (static shapes). KDA state, conv windows and MLA attention restart at every segment
   boundary; targets that cross a boundary are masked out of the loss.
@@ -23,61 +24,10 @@ from pathlib import Path
 
 import numpy as np
 
-
-class DataError(ValueError):
-    """Unusable training data; the message names the file and what was expected."""
-
-
-# ------------------------------------------------------------------------------------------------ tokenizers
-class ByteTokenizer:
-    """UTF-8 bytes as ids 0–255; BOS=256, EOS=257, PAD=258 (the ``tiny`` preset's vocabulary of 264)."""
-
-    name = "bytes"
-    bos_id, eos_id, pad_id = 256, 257, 258
-    vocab_size = 259
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids) -> str:
-        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
-
-
-class HFTokenizer:
-    """A Hugging Face ``tokenizer.json`` through the ``tokenizers`` library."""
-
-    def __init__(self, path: str | Path, bos: str | None = None, eos: str | None = None):
-        from tokenizers import Tokenizer
-
-        self.path = Path(path)
-        try:
-            self.tok = Tokenizer.from_file(str(self.path))
-        except Exception as e:  # noqa: BLE001 - tokenizers raises plain Exceptions
-            raise DataError(f"{self.path}: not a Hugging Face tokenizer.json ({e})") from None
-        self.name = f"hf:{self.path.name}"
-        self.vocab_size = self.tok.get_vocab_size()
-        vocab = self.tok.get_vocab()
-        pick = lambda names: next((vocab[n] for n in names if n in vocab), None)  # noqa: E731
-        self.bos_id = vocab[bos] if bos else pick(["<s>", "<|begin_of_text|>", "[BOS]", "<bos>", "<|bos|>"])
-        self.eos_id = vocab[eos] if eos else pick(["</s>", "<|end_of_text|>", "<|endoftext|>", "[EOS]", "<eos>"])
-        if self.eos_id is None:
-            self.eos_id = self.vocab_size - 1
-        if self.bos_id is None:
-            self.bos_id = self.eos_id
-        self.pad_id = self.eos_id
-
-    def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False).ids
-
-    def decode(self, ids) -> str:
-        return self.tok.decode([int(i) for i in ids])
-
-
-def make_tokenizer(spec: str | None):
-    """``None``/``"bytes"`` → :class:`ByteTokenizer`; a path to ``tokenizer.json`` → :class:`HFTokenizer`."""
-    if spec in (None, "", "bytes"):
-        return ByteTokenizer()
-    return HFTokenizer(spec)
+from k3jax.tokenizer import DataError
+# train/loop.py still imports the tokenizer factory from here under its old name; drop this line once it imports
+# load_tokenizer from k3jax.tokenizer.
+from k3jax.tokenizer import load_tokenizer as make_tokenizer  # noqa: F401, E402
 
 
 # ---------------------------------------------------------------------------------------------- documents

@@ -1,5 +1,9 @@
-"""Text in, text out: the byte-level tokenizer, a Hugging Face ``tokenizer.json``, and the release's own tiktoken
-BPE (``tiktoken.model`` + special tokens from ``tokenizer_config.json``), all offline."""
+"""Tokenizers, shared by training and inference: bytes, a Hugging Face ``tokenizer.json``, and the release's own
+tiktoken BPE (``tiktoken.model`` + special tokens from ``tokenizer_config.json``), all offline.
+
+Every tokenizer has ``name``, ``vocab_size``, ``bos_id``, ``eos_id``, ``pad_id``, ``encode(text) -> list[int]`` and
+``decode(ids) -> str``. :func:`load_tokenizer` turns a spec (``"bytes"``, a file or a directory) into one.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,54 @@ import base64
 import json
 from pathlib import Path
 
-from k3jax.train.data import ByteTokenizer, DataError, HFTokenizer
+
+class DataError(ValueError):
+    """Unusable input data — a corpus file or a tokenizer file; the message names the file and what was expected."""
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as ids 0–255; BOS=256, EOS=257, PAD=258 (the ``tiny`` preset's vocabulary of 264)."""
+
+    name = "bytes"
+    bos_id, eos_id, pad_id = 256, 257, 258
+    vocab_size = 259
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids) -> str:
+        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizer.json`` through the ``tokenizers`` library."""
+
+    def __init__(self, path: str | Path, bos: str | None = None, eos: str | None = None):
+        from tokenizers import Tokenizer
+
+        self.path = Path(path)
+        try:
+            self.tok = Tokenizer.from_file(str(self.path))
+        except Exception as e:  # noqa: BLE001 - tokenizers raises plain Exceptions
+            raise DataError(f"{self.path}: not a Hugging Face tokenizer.json ({e})") from None
+        self.name = f"hf:{self.path.name}"
+        self.vocab_size = self.tok.get_vocab_size()
+        vocab = self.tok.get_vocab()
+        pick = lambda names: next((vocab[n] for n in names if n in vocab), None)  # noqa: E731
+        self.bos_id = vocab[bos] if bos else pick(["<s>", "<|begin_of_text|>", "[BOS]", "<bos>", "<|bos|>"])
+        self.eos_id = vocab[eos] if eos else pick(["</s>", "<|end_of_text|>", "<|endoftext|>", "[EOS]", "<eos>"])
+        if self.eos_id is None:
+            self.eos_id = self.vocab_size - 1
+        if self.bos_id is None:
+            self.bos_id = self.eos_id
+        self.pad_id = self.eos_id
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids) -> str:
+        return self.tok.decode([int(i) for i in ids])
+
 
 # Moonshot's pre-tokenisation pattern (``TikTokenTokenizer.pat_str`` in the release's ``tokenization_kimi.py``,
 # shared by Moonlight, Kimi K2 and K3): Han runs split from Latin-script words, numbers in groups of ≤ 3.
@@ -94,8 +145,10 @@ class TiktokenTokenizer:
 
 
 def load_tokenizer(spec: str | Path | None):
-    """``None``/``"bytes"`` → bytes; a ``tokenizer.json`` file → Hugging Face; a directory → its ``tiktoken.model``
-    (the release format) or else its ``tokenizer.json``."""
+    """The tokenizer a spec names (``k3jax train --set tokenizer=…``, a training run's ``train_config.json``,
+    ``k3jax generate``): ``None``/``""``/``"bytes"`` → :class:`ByteTokenizer`; a file → a Hugging Face
+    ``tokenizer.json`` (:class:`HFTokenizer`); a directory → its ``tiktoken.model`` (the release format,
+    :class:`TiktokenTokenizer`) or else its ``tokenizer.json``."""
     if spec in (None, "", "bytes"):
         return ByteTokenizer()
     p = Path(spec)
@@ -108,3 +161,7 @@ def load_tokenizer(spec: str | Path | None):
     if p.is_file():
         return HFTokenizer(p)
     raise DataError(f"tokenizer {str(spec)!r}: not 'bytes', a tokenizer.json file or a directory holding one")
+
+
+__all__ = ["DataError", "ByteTokenizer", "HFTokenizer", "TiktokenTokenizer", "load_tokenizer", "read_tiktoken_ranks",
+           "KIMI_PAT_STR", "NUM_RESERVED_SPECIAL"]

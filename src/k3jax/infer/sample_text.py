@@ -1,0 +1,18 @@
+"""Text in, text out over the inference engine: the greedy sample the demo prints after training."""
+
+from __future__ import annotations
+
+from k3jax.infer.engine import Engine
+from k3jax.nn.model import K3ForCausalLM
+
+
+def greedy_sample(model: K3ForCausalLM, tokenizer, prompt: str, new_tokens: int = 200, chunk: int = 64) -> str:
+    """``prompt`` and its greedy continuation (chunked prefill, cached decode; BOS first, EOS stops and is not
+    shown)."""
+    ids = [tokenizer.bos_id] + tokenizer.encode(prompt)
+    res = Engine(model, chunk=chunk).generate([ids], new_tokens, stop_tokens=[tokenizer.eos_id])
+    out = res.tokens[0]
+    return prompt + tokenizer.decode(out[:-1] if out and out[-1] == tokenizer.eos_id else out)
+
+
+__all__ = ["greedy_sample"]
