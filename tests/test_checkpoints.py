@@ -100,7 +100,7 @@ def test_release_orbax_release_conversion(pair, tmp_path):
     assert cli_main(["convert", str(mx_dir), str(tmp_path / "orbax")]) == 0
     model = load_orbax(tmp_path / "orbax")
     assert model.config.expert_dtype == "mxfp4"
-    np.testing.assert_array_equal(np.asarray(model(IDS)), np.asarray(k3jax.load_pretrained(mx_dir)(IDS)))
+    np.testing.assert_array_equal(np.asarray(model(IDS).logits), np.asarray(k3jax.load_pretrained(mx_dir)(IDS).logits))
     assert cli_main(["convert", str(tmp_path / "orbax"), str(tmp_path / "back"), "--shard-size", "200KB"]) == 0
     src, back = tensors_of(mx_dir), tensors_of(tmp_path / "back")
     for k in back:
@@ -286,7 +286,7 @@ def test_load_onto_an_expert_mesh(pair, tmp_path):
         assert len(w.addressable_shards) == 8 and w.addressable_shards[0].data.shape[0] == 2
         ref = k3jax.load_pretrained({str(pair[0])!r})
         ids = jnp.asarray(np.arange(12).reshape(1, 12), jnp.int32)
-        print("maxdiff", float(np.max(np.abs(np.asarray(m(ids)) - np.asarray(ref(ids))))))
+        print("maxdiff", float(np.max(np.abs(np.asarray(m(ids).logits) - np.asarray(ref(ids).logits)))))
     """)
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          env={**os.environ, "JAX_PLATFORMS": "cpu"})

@@ -13,7 +13,7 @@ from flax import nnx
 
 from k3jax import K3Config, K3ForCausalLM
 from k3jax.infer import Engine, GenerationError, generate
-from k3jax.infer.cache import cache_bytes, init_cache
+from k3jax.nn.cache import cache_bytes, init_cache
 from k3jax.infer.sampling import SamplingError, sample_next
 from k3jax.ops.attention import mla_attention, mla_latent_attention
 
@@ -38,13 +38,12 @@ def models():
 
 def decode_through(engine: Engine, ids: np.ndarray, prefix: int) -> np.ndarray:
     """Logits for positions prefix−1 … T−1: prefill ``ids[:, :prefix]``, then feed the rest one token at a time."""
-    caches, last, lengths = engine.prefill(list(ids[:, :prefix]), max_new_tokens=ids.shape[1] - prefix)
-    out, pos = [np.asarray(last)], jnp.asarray(lengths)
+    cache, last, lengths = engine.prefill(list(ids[:, :prefix]), max_new_tokens=ids.shape[1] - prefix)
+    out = [np.asarray(last)]
     for t in range(prefix, ids.shape[1]):
-        _, lg, caches = engine._decode(engine.state, caches, jnp.asarray(ids[:, t], jnp.int32), pos,
-                                       jax.random.key(0), jnp.float32(0), jnp.int32(0), jnp.float32(1))
+        _, lg, cache = engine._decode(engine.state, cache, jnp.asarray(ids[:, t], jnp.int32),
+                                      jax.random.key(0), jnp.float32(0), jnp.int32(0), jnp.float32(1))
         out.append(np.asarray(lg))
-        pos = pos + 1
     return np.stack(out, 1)
 
 
@@ -52,9 +51,9 @@ def decode_through(engine: Engine, ids: np.ndarray, prefix: int) -> np.ndarray:
 def test_prefix_prefill_plus_decode_equals_full_forward(models, kind, rng):
     model = models[kind]
     ids = rng.integers(0, model.config.vocab_size, (2, 45)).astype(np.int32)
-    full = np.asarray(model(jnp.asarray(ids)))
+    full = np.asarray(model(jnp.asarray(ids)).logits)
     engine = Engine(model, chunk=16)                      # 3 prefill chunks, the last one padded
-    caches, all_logits, _ = engine.prefill(list(ids), all_logits=True)
+    _, all_logits, _ = engine.prefill(list(ids), all_logits=True)
     assert np.max(np.abs(np.asarray(all_logits) - full)) <= 1e-4
     got = decode_through(engine, ids, 20)                  # prefill 20 (chunks of 16: one full, one padded) + 25
     assert np.max(np.abs(got - full[:, 19:])) <= 1e-4                 # positions 19 … 44
@@ -73,7 +72,7 @@ def test_batched_prompts_equal_one_by_one(models, rng):
         assert alone.tokens[0] == batch.tokens[i]
         _, last_1, _ = engine.prefill([p], 6)
         assert np.max(np.abs(np.asarray(last_1[0]) - np.asarray(last_b[i]))) <= 1e-4
-        full = np.asarray(model(jnp.asarray([p + batch.tokens[i][:-1]], jnp.int32)))[0, len(p) - 1:]
+        full = np.asarray(model(jnp.asarray([p + batch.tokens[i][:-1]], jnp.int32)).logits)[0, len(p) - 1:]
         assert list(np.argmax(full, -1)) == batch.tokens[i]             # greedy = argmax of the full forward
 
 

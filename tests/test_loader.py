@@ -36,7 +36,7 @@ K = "language_model.model.layers.1.self_attn."
 def test_loads_and_skips_vision_with_one_log_line(ckpt, caplog):
     with caplog.at_level(logging.INFO, logger="k3jax.io"):
         model = k3jax.load_pretrained(ckpt)
-    assert model(jnp.zeros((1, 3), jnp.int32)).shape == (1, 3, 512)
+    assert model(jnp.zeros((1, 3), jnp.int32)).logits.shape == (1, 3, 512)
     lines = [r.message for r in caplog.records if "vision_tower/mm_projector" in r.message]
     assert len(lines) == 1 and "skipped 2" in lines[0]
 

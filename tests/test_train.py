@@ -21,8 +21,9 @@ from k3jax.train.optim import muon_dims, muon_partition
 
 def test_muon_partition_and_per_head_dims():
     model = K3ForCausalLM(K3Config.from_preset("test"))
-    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    part = muon_partition(params)
+    state = nnx.state(model, nnx.Param)
+    params = nnx.to_pure_dict(state)
+    part = muon_partition(state)
     adam = set(part["adamw"])
     for name in ("model.embed_tokens", "lm_head.kernel", "model.norm.weight", "model.layers.1.self_attn.A_log",
                  "model.layers.1.self_attn.dt_bias", "model.layers.1.self_attn.q_conv1d", "model.layers.1.mlp_res.proj",
@@ -35,22 +36,28 @@ def test_muon_partition_and_per_head_dims():
         assert name in muon, name
     q = params["model"]["layers"][1]["self_attn"]["q_proj"]["kernel"]
     assert q.shape == (64, 2, 32)                                          # [hidden, heads, head_dim]
-    d = muon_dims(("model", "layers", 1, "self_attn", "q_proj", "kernel"), q.shape)
+    layers = model.model.layers
+    d = muon_dims(layers[1].self_attn.q_proj.kernel)
     assert (d.reduction_axis, d.output_axis) == (0, 2)                     # heads (axis 1) are a batch axis
-    d = muon_dims(("model", "layers", 3, "self_attn", "o_proj", "kernel"), (4, 16, 64))
+    d = muon_dims(layers[3].self_attn.o_proj.kernel)                       # [heads, head_dim, out]
     assert (d.reduction_axis, d.output_axis) == (1, 2)
-    d = muon_dims(("model", "layers", 1, "block_sparse_moe", "experts", "w2"), (8, 32, 32))
+    d = muon_dims(layers[1].block_sparse_moe.experts.w2)
     assert (d.reduction_axis, d.output_axis) == (1, 2)                     # per expert
+    d = muon_dims(layers[1].self_attn.f_b_proj.kernel)                     # low-rank decay gate: one matrix
+    assert (d.reduction_axis, d.output_axis) == (0, (1, 2))
 
 
 def test_per_head_muon_update_is_orthogonal_per_head():
     """One Muon step on a per-head kernel: each head's [in, head_dim] update has equal singular values."""
+    from optax.contrib import MuonDimensionNumbers as MDN
+
     from k3jax.train.optim import OptimConfig, make_optimizer
 
     rng = np.random.default_rng(0)
     params = {"model": {"layers": {1: {"self_attn": {"q_proj": {"kernel": jnp.asarray(rng.normal(size=(64, 2, 32)),
                                                                                         jnp.float32)}}}}}}
-    opt = make_optimizer(params, 10, OptimConfig(warmup_steps=0, schedule="constant", clip_norm=1e9,
+    qdims = {"model": {"layers": {1: {"self_attn": {"q_proj": {"kernel": MDN(0, 2)}}}}}}
+    opt = make_optimizer(qdims, 10, OptimConfig(warmup_steps=0, schedule="constant", clip_norm=1e9,
                                                  weight_decay=0.0))
     g = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), jnp.float32), params)
     u, _ = opt.update(g, opt.init(params), params)
@@ -61,7 +68,7 @@ def test_per_head_muon_update_is_orthogonal_per_head():
         # … and each head is orthogonalised on its own: equal to Muon on that head's [in, head_dim] matrix alone
         single = {"x": {"kernel": params["model"]["layers"][1]["self_attn"]["q_proj"]["kernel"][:, h, :]}}
         gs = {"x": {"kernel": g["model"]["layers"][1]["self_attn"]["q_proj"]["kernel"][:, h, :]}}
-        opt1 = make_optimizer(single, 10, OptimConfig(warmup_steps=0, schedule="constant", clip_norm=1e9,
+        opt1 = make_optimizer({"x": {"kernel": MDN(0, 1)}}, 10, OptimConfig(warmup_steps=0, schedule="constant", clip_norm=1e9,
                                                       weight_decay=0.0))
         u1, _ = opt1.update(gs, opt1.init(single), single)
         np.testing.assert_allclose(upd[:, h, :], u1["x"]["kernel"], rtol=1e-4, atol=1e-6)
@@ -75,12 +82,12 @@ def test_packing_boundaries_make_documents_independent():
     row1 = np.concatenate([doc_a, doc_b])[None]
     row2 = np.concatenate([doc_b2, doc_b])[None]
     seg = np.concatenate([np.ones(20), 2 * np.ones(30)]).astype(np.int32)[None]
-    l1 = model(jnp.asarray(row1, jnp.int32), segment_ids=jnp.asarray(seg))
-    l2 = model(jnp.asarray(row2, jnp.int32), segment_ids=jnp.asarray(seg))
-    alone = model(jnp.asarray(doc_b[None], jnp.int32))
+    l1 = model(jnp.asarray(row1, jnp.int32), segment_ids=jnp.asarray(seg)).logits
+    l2 = model(jnp.asarray(row2, jnp.int32), segment_ids=jnp.asarray(seg)).logits
+    alone = model(jnp.asarray(doc_b[None], jnp.int32)).logits
     np.testing.assert_allclose(l1[0, 20:], l2[0, 20:], atol=2e-5)
     np.testing.assert_allclose(l1[0, 20:], alone[0], atol=2e-5)
-    unmasked = model(jnp.asarray(row1, jnp.int32))
+    unmasked = model(jnp.asarray(row1, jnp.int32)).logits
     assert float(jnp.max(jnp.abs(unmasked[0, 20:] - alone[0]))) > 1e-3     # the mask is what makes the difference
 
 
