@@ -44,8 +44,8 @@ def test_loads_and_skips_vision_with_one_log_line(ckpt, caplog):
 def test_without_language_model_prefix(ckpt, tmp_path):
     d = mutated(ckpt, tmp_path, lambda t: [t.__setitem__(k[len("language_model."):], t.pop(k))
                                            for k in list(t) if k.startswith("language_model.")])
-    a = k3jax.load_pretrained(ckpt)(jnp.ones((1, 4), jnp.int32))
-    b = k3jax.load_pretrained(d)(jnp.ones((1, 4), jnp.int32))
+    a = k3jax.load_pretrained(ckpt)(jnp.ones((1, 4), jnp.int32)).logits
+    b = k3jax.load_pretrained(d)(jnp.ones((1, 4), jnp.int32)).logits
     np.testing.assert_array_equal(a, b)
 
 
