@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.costs import flops_per_token
-from k3jax.tokenizer import ByteTokenizer
+from k3jax.text.tokenizer import ByteTokenizer
 from k3jax.train.data import Dataset, stdlib_corpus
 from k3jax.train.loop import TrainConfig, gemm_peak_flops, make_step, model_config
 from k3jax.train.optim import make_optimizer, muon_dims_tree

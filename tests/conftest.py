@@ -42,6 +42,7 @@ def pytest_configure(config):
     if not cache:
         cache = tempfile.mkdtemp(prefix="k3jax-test-jax-cache-")
         _CACHE_MADE.append(cache)
+        os.environ["K3JAX_TEST_JAX_CACHE"] = cache     # pytest-xdist workers start after this: they share it
     os.environ["JAX_COMPILATION_CACHE_DIR"] = cache
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "1"
     jax.config.update("jax_compilation_cache_dir", cache)

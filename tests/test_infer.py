@@ -153,7 +153,7 @@ def test_bad_requests_raise_named_errors(models):
 
 def test_tiktoken_release_tokenizer_offline(tmp_path):
     """A release-style directory: tiktoken.model (256 byte tokens + merges) and tokenizer_config.json specials."""
-    from k3jax.tokenizer import TiktokenTokenizer, load_tokenizer
+    from k3jax.text.tokenizer import TiktokenTokenizer, load_tokenizer
 
     merges = [b"th", b"he", b"the", b" the", b"in", b"ing", "中文".encode()]
     ranks = [bytes([i]) for i in range(256)] + merges

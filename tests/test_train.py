@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 from k3jax import K3Config, K3ForCausalLM
-from k3jax.tokenizer import ByteTokenizer, DataError, HFTokenizer
+from k3jax.text.tokenizer import ByteTokenizer, DataError, HFTokenizer
 from k3jax.train.data import Dataset, pack, stdlib_corpus, user_corpus
 from k3jax.train.loop import TrainConfig, TrainingError, train
 from k3jax.train.optim import muon_dims, muon_partition

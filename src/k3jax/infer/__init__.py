@@ -1,5 +1,5 @@
 """Inference: the prefill/decode engine, sampling, loading a model for it (``infer.load``) and text sampling
-(``infer.sample_text``). Tokenizers are :mod:`k3jax.tokenizer`, shared with training."""
+(``infer.sample_text``). Tokenizers are :mod:`k3jax.text.tokenizer`, shared with training."""
 
 from k3jax.infer.engine import Engine, GenerateResult, GenerationError, generate
 

@@ -10,7 +10,7 @@ from flax import nnx
 from k3jax.config import ConfigError, K3Config, resolve_config
 from k3jax.io.orbax import load_orbax, restore_model
 from k3jax.nn.model import K3ForCausalLM
-from k3jax.tokenizer import load_tokenizer
+from k3jax.text.tokenizer import load_tokenizer
 
 
 class ModelLoadError(ValueError):

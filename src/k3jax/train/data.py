@@ -5,8 +5,8 @@
   byte budget; its SHA-256 is recorded so a run says exactly what it trained on.
 * User data: a ``.txt`` file (one document), a ``.jsonl`` file (one document per line, field ``text`` by default),
   or a directory (every ``.txt``/``.md``/``.py``/``.jsonl`` file under it, sorted).
-* Tokenizers: :mod:`k3jax.tokenizer` (bytes, a Hugging Face ``tokenizer.json`` or a release ``tiktoken.model``),
-  shared with inference; its :class:`~k3jax.tokenizer.DataError` is the error of this module too.
+* Tokenizers: :mod:`k3jax.text.tokenizer` (bytes, a Hugging Face ``tokenizer.json`` or a release ``tiktoken.model``),
+  shared with inference; its :class:`~k3jax.text.tokenizer.DataError` is the error of this module too.
 * Packing: documents become ``[BOS] tokens [EOS]`` and are concatenated into rows of ``seq_len + 1`` tokens with a
   segment id per position (static shapes). KDA state, conv windows and MLA attention restart at every segment
   boundary; targets that cross a boundary are masked out of the loss.
@@ -24,10 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from k3jax.tokenizer import DataError
-# train/loop.py still imports the tokenizer factory from here under its old name; drop this line once it imports
-# load_tokenizer from k3jax.tokenizer.
-from k3jax.tokenizer import load_tokenizer as make_tokenizer  # noqa: F401, E402
+from k3jax.text.tokenizer import DataError
 
 
 # ---------------------------------------------------------------------------------------------- documents

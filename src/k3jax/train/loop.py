@@ -21,14 +21,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from k3jax.config import ConfigError, K3Config, preset_names
+from k3jax.config import ConfigError, K3Config, resolve_config
 from k3jax.nn.model import K3ForCausalLM
 from k3jax.ops.balance import max_violation
 from k3jax.parallel.ep import ExpertParallel
 from k3jax.train.balance import METHODS as BALANCE_METHODS
 from k3jax.train.balance import BalanceConfig, update_router_biases
 from k3jax.train.checkpoint import Checkpointer
-from k3jax.train.data import Dataset, DataError, make_tokenizer, stdlib_corpus, user_corpus
+from k3jax.text.tokenizer import DataError, load_tokenizer
+from k3jax.train.data import Dataset, stdlib_corpus, user_corpus
 from k3jax.train.metrics import MetricsLog, plot_run
 from k3jax.train.optim import OptimConfig, make_optimizer, muon_dims_tree
 
@@ -44,7 +45,7 @@ class TrainConfig:
     data: str | None = None                   # None: the embedded standard-library corpus
     corpus_bytes: int = 3_000_000
     text_field: str = "text"
-    tokenizer: str = "bytes"                  # "bytes" or a path to a tokenizer.json
+    tokenizer: str = "bytes"                  # "bytes", a tokenizer.json, or a directory with tiktoken.model / tokenizer.json
     seq_len: int = 256
     batch_size: int = 16
     steps: int = 300
@@ -130,13 +131,10 @@ class TrainConfig:
 
 
 def model_config(c: TrainConfig) -> K3Config:
-    if c.model in preset_names():
-        cfg = K3Config.from_preset(c.model)
-    else:
-        cfg = K3Config.from_json(c.model)
-    if c.model_overrides:
-        cfg = cfg.replace(**c.model_overrides)
-    return cfg
+    """The model config: ``c.model`` through :func:`k3jax.config.resolve_config` (an existing path wins over a
+    preset name), then ``c.model_overrides``."""
+    cfg = resolve_config(c.model)
+    return cfg.replace(**c.model_overrides) if c.model_overrides else cfg
 
 
 def load_data(c: TrainConfig, tokenizer) -> Dataset:
@@ -234,7 +232,7 @@ def train(c: TrainConfig, *, console=None, stop_after: int | None = None, on_ste
     console = console or Console()
     out = Path(c.out)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = make_tokenizer(c.tokenizer)
+    tokenizer = load_tokenizer(c.tokenizer)
     cfg = model_config(c)
     if cfg.vocab_size < tokenizer.vocab_size:
         raise ConfigError(f"model vocab_size={cfg.vocab_size} is smaller than the tokenizer's vocabulary "
@@ -363,14 +361,4 @@ def evaluate(eval_fn, params, rest, data: Dataset, c: TrainConfig, mesh=None) ->
     return float(np.mean(losses))
 
 
-def greedy_sample(model: K3ForCausalLM, tokenizer, prompt: str, new_tokens: int = 200) -> str:
-    """Greedy continuation of ``prompt`` with the inference engine (chunked prefill, cached decode), EOS stops."""
-    from k3jax.infer.engine import Engine
-
-    ids = [tokenizer.bos_id] + tokenizer.encode(prompt)
-    res = Engine(model, chunk=64).generate([ids], new_tokens, stop_tokens=[tokenizer.eos_id])
-    out = res.tokens[0]
-    return prompt + tokenizer.decode(out[:-1] if out and out[-1] == tokenizer.eos_id else out)
-
-
-__all__ = ["TrainConfig", "TrainResult", "TrainingError", "train", "greedy_sample", "DataError"]
+__all__ = ["TrainConfig", "TrainResult", "TrainingError", "train", "DataError"]

@@ -1,0 +1,1 @@
+"""Text: tokenizers (bytes, tokenizer.json, the release tiktoken)."""
