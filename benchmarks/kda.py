@@ -1,4 +1,4 @@
-"""Chunked KDA forward and forward+backward against the recurrent scan, the first version and fla's naive chunk.
+"""Chunked KDA forward and forward+backward against the recurrent scan and fla's naive chunk, and its variants.
 
     .venv/bin/python -m benchmarks.kda [--T 1024 4096 16384] [--explore-T 4096] [--reps 5] [--settle 0.5] [--no-fla] [--json out.json]
 
@@ -13,10 +13,11 @@ round, the roofline's GEMM among them, so a slow spell on a shared machine hits 
 FLOP-roofline time (FLOPs / the best fp32 GEMM FLOP/s seen in the run: its best interleaved round or the
 runner's best-of-5 roofline, ``gemm_flops_peak``; the GEMM's median in the rounds is ``gemm_flops_interleaved``),
 and XLA's compiled temporary memory of the backward with
-the recomputing custom VJP vs ``jax.grad`` of the same forward storing its intermediates (``recompute=False``). ``--explore-T`` times each
-variant (fused vs separate passes, block, chunk size, sub-tile size, solve, cumsum, cross-chunk scan, recompute, the hand-written
-intra-chunk VJP vs autodiff, the first version) at one length. Also recorded: the GEMM rate at the kernel's own
-matmul shapes (``kernel_gemm_flops``).
+the recomputing custom VJP vs ``jax.grad`` of the same forward storing its intermediates (``recompute=False``).
+``--explore-T`` times each variant at one length: the registered implementations (fused vs separate passes) and
+their block size, chunk size, sub-tile size, and the stage swaps of ``benchmarks/kda_variants.py`` (solve,
+cumsum, cross-chunk scan, recompute, the hand-written intra-chunk VJP vs autodiff). Also recorded: the GEMM rate at
+the kernel's own matmul shapes (``kernel_gemm_flops``).
 
 With several host devices (``benchmarks.run`` splits the CPU into one per core; run directly, this module does
 the same) the default kernel also runs with its heads split over them (``k3jax.parallel.heads``; XLA:CPU runs
@@ -39,6 +40,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.kda_variants import KEYS as VARIANT_KEYS
+from benchmarks.kda_variants import kda_variant
 from benchmarks.roofline import gemm_runs, machine
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -65,24 +68,19 @@ VARIANTS: dict[str, dict] = {
     "sub-tile 8": {"sub_chunk": 8},
     "sub-tile 32 (one tile per chunk; the −5 bound cannot factor its exponentials, so diagonal tiles pairwise)":
         {"sub_chunk": 32, "safe_gate": False},
-    "fused, blocks of 8 pairs": {"block": 8},
-    "fused, blocks of 64 pairs": {"block": 64},
+    "fused, blocks of 8 pairs": {"impl": "fused", "block": 8},
+    "fused, blocks of 64 pairs": {"impl": "fused", "block": 64},
     "separate passes (intra for all chunks, then a state scan, then outputs; blocks of 64 pairs)":
-        {"scan": "scan", "block": 64},
+        {"impl": "scan", "block": 64},
     "intra-chunk VJP by jax.vjp (autodiff) instead of the hand-written one": {"intra_vjp": "autodiff"},
-    "chunk 64, intra VJP by autodiff (the structure of the previous default)": {"chunk_size": 64,
-                                                                                 "intra_vjp": "autodiff"},
     "inverse: Neumann doubling": {"solve": "neumann"},
-    "inverse: LAPACK triangular_solve": {"solve": "triangular_solve"},
     "inverse: row-by-row scan": {"solve": "rowscan"},
     "cumsum: jnp.cumsum": {"cumsum": "native"},
-    "cumsum: triangular matmul": {"cumsum": "matmul"},
-    "separate passes, state scan: affine (M_c S + B_c)": {"scan": "affine", "block": 64},
     "separate passes, state scan: associative_scan": {"scan": "associative", "block": 64},
     "no recompute (jax.grad stores intermediates)": {"recompute": False},
     "diagonal tiles pairwise (unbounded-gate path)": {"safe_gate": False},
-    "first version (before issue 7)": {"v0": True},
 }
+"""The ``--explore-T`` table: ``kda_chunked`` keywords, and those of ``benchmarks.kda_variants.kda_variant``."""
 
 
 def kernel_gemms(n: int) -> dict[str, tuple[str, tuple, tuple]]:
@@ -186,12 +184,10 @@ def call(f, *x) -> Callable[[], object]:
 
 
 def kernels(**kw):
-    """``(forward, forward+backward)`` jitted for one variant; the loss is ``Σ o²``."""
+    """``(forward, forward+backward)`` jitted for one variant (the production ``kda_chunked`` unless a keyword of
+    ``kda_variant`` is given); the loss is ``Σ o²``."""
     kw = dict(kw)
-    if kw.pop("v0", False):
-        from benchmarks.kda_v0 import kda_chunked_v0 as fn
-    else:
-        fn = kda_chunked
+    fn = kda_variant if kw.keys() & set(VARIANT_KEYS) else kda_chunked
     kw.setdefault("safe_gate", True)
     fwd = lambda *x: fn(*x, **kw)[0]  # noqa: E731
     loss = lambda *x: jnp.sum(fwd(*x).astype(jnp.float32) ** 2)  # noqa: E731

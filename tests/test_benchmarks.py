@@ -256,3 +256,19 @@ def test_kda_interleaved_rounds_settle_with_an_untimed_call_before_each_timed_on
     calls.clear()
     kda.interleaved({"a": lambda: calls.append("a")}, reps=2)
     assert calls == ["a"] * 3
+
+
+def test_kda_every_variant_of_the_table_builds():
+    """Each ``--explore-T`` row of ``benchmarks/kda.py`` traces, forward and backward (``jax.eval_shape``: nothing
+    is compiled or run; the variants' numbers are checked in ``tests/test_kda.py``)."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks import kda
+
+    x = [jnp.zeros((1, 64, 2, 16)), jnp.zeros((1, 64, 2, 16)), jnp.zeros((1, 64, 2, 8)), jnp.zeros((1, 64, 2, 16)),
+         jnp.zeros((1, 64, 2))]
+    for name, kw in kda.VARIANTS.items():
+        fwd, grad = kda.kernels(**kw)
+        assert jax.eval_shape(fwd, *x).shape == (1, 64, 2, 8), name
+        assert [s.shape for s in jax.eval_shape(grad, *x)] == [a.shape for a in x], name

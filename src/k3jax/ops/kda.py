@@ -7,8 +7,9 @@ Recurrence per head (state ``S ∈ R^{K×V}``, fp32), for t = 1…T::
     o_t = Sᵀ (scale · q_t)                  (read after write)
 
 * :func:`kda_recurrent` — the reference: a ``lax.scan`` over tokens.
-* :func:`k3jax.ops.kda_chunked.kda_chunked` — training/prefill: chunks of 64 solved in parallel, a ``lax.scan``
-  across chunks (its own module: the fast path and its variants).
+* :func:`k3jax.ops.kda_chunked.kda_chunked` — training/prefill: chunks (32 tokens on CPU, 64 on accelerators)
+  solved in parallel, the state carried across them by a ``lax.scan`` (its own module, with its two registered
+  implementations).
 * :func:`kda_step` — one token, for decode.
 
 All three take fla's convention: ``q, k [B, T, H, K]``, ``v [B, T, H, V]``, ``g [B, T, H, K]`` the activated

@@ -1,7 +1,9 @@
 """Chunked KDA (spec §4.3): the training/prefill fast path, mathematically identical to
 :func:`k3jax.ops.kda.kda_recurrent` (its slow reference) — intra-chunk pass in 16-token tiles, unit-triangular
-inverse, state carried across chunks, a recomputing custom VJP (with a hand-written backward of the intra-chunk
-pass), and the variants timed in ``benchmarks/kda.py``.
+inverse, state carried across chunks, a recomputing custom VJP with a hand-written backward of the intra-chunk
+pass. Two implementations share it, registered in :data:`KDA_CHUNKED_IMPLS`: ``"fused"`` (one scan over blocks of
+chunks; the CPU default) and ``"scan"`` (separate passes; the accelerator default). The variants timed against
+them are in ``benchmarks/kda_variants.py``; they swap the stages :class:`_Cfg` names.
 """
 
 from __future__ import annotations
@@ -13,32 +15,23 @@ import jax.numpy as jnp
 
 from k3jax.ops.kda import HIGHEST, _check, _mm
 from k3jax.ops.precision import acc_dtype
-from k3jax.ops.unit_lower import SOLVES, tri_matmul, unit_lower_inverse
-
-
-SCANS = ("fused", "scan", "affine", "associative")
+from k3jax.ops.unit_lower import tri_matmul, unit_lower_inverse
 
 
 def _tril(n: int, k: int = 0) -> jax.Array:
     return jnp.tril(jnp.ones((n, n), bool), k)
 
 
-def _chunk_cumsum(g: jax.Array, how: str, sub: int = 16) -> jax.Array:
-    """In-chunk cumulative sum over axis −2 of ``g [..., n, K]``: ``tiled`` (cumsum inside ``sub``-row tiles plus
-    the running total of the tiles before — 2.4× faster than one ``jnp.cumsum`` over 64 rows on XLA:CPU), ``native``
-    (``jnp.cumsum``) or ``matmul`` (a lower-triangular ones matmul)."""
+def _chunk_cumsum(g: jax.Array, sub: int = 16) -> jax.Array:
+    """In-chunk cumulative sum over axis −2 of ``g [..., n, K]``: cumsum inside ``sub``-row tiles plus the running
+    total of the tiles before (one ``jnp.cumsum`` when the chunk is a single tile or ``sub`` does not divide it)."""
     *lead, n, K = g.shape
-    if how == "matmul":
-        return _mm("rs,...sk->...rk", _tril(n).astype(g.dtype), g)
-    if how == "native" or n <= sub or n % sub:
+    if n <= sub or n % sub:
         return jnp.cumsum(g, axis=-2)
-    if how != "tiled":
-        raise ValueError(f"cumsum: expected 'tiled', 'native' or 'matmul', got {how!r}")
     inner = jnp.cumsum(g.reshape(*lead, n // sub, sub, K), axis=-2)
     before = jnp.cumsum(inner[..., :-1, -1:, :], axis=-3)
     before = jnp.concatenate([jnp.zeros_like(inner[..., :1, -1:, :]), before], axis=-3)
     return (inner + before).reshape(*lead, n, K)
-
 
 
 def _diag_decay(bt: jax.Array) -> jax.Array:
@@ -47,9 +40,11 @@ def _diag_decay(bt: jax.Array) -> jax.Array:
     return jnp.exp(jnp.minimum(bt[..., :, None, :] - bt[..., None, :, :], 0.0))
 
 
-def _intra_forward(q, k, v, g, beta, reset, *, sub: int, safe_gate: bool, solve: str, cumsum: str):
+def _intra_forward(q, k, v, g, beta, reset, *, sub: int, safe_gate: bool, cumsum=_chunk_cumsum,
+                   inverse=unit_lower_inverse):
     """Everything that is parallel over chunks, for a flat batch of (chunk, head) pairs: ``q, k, g [P, n, K]``
-    (q already scaled), ``v [P, n, V]``, ``beta [P, n]``, ``reset [P, n]`` bool or None. Returns
+    (q already scaled), ``v [P, n, V]``, ``beta [P, n]``, ``reset [P, n]`` bool or None. ``cumsum(g, sub)`` and
+    ``inverse(A, sub)`` (``(I + A)⁻¹``) are the production stages unless a benchmark variant passes others. Returns
     ``(outs, saved)`` with ``outs``:
 
     * ``a_qk [P, n, n]``: ``Σ_j q_r[j] k_s[j] e^{b_r[j] − b_s[j]}`` for s ≤ r (same document), b = in-chunk cumsum g;
@@ -73,7 +68,7 @@ def _intra_forward(q, k, v, g, beta, reset, *, sub: int, safe_gate: bool, solve:
     V = v.shape[-1]
     t = sub
     nb = n // t
-    b = _chunk_cumsum(g, cumsum, t)                                           # [P, n, K]
+    b = cumsum(g, t)                                                       # [P, n, K]
     bt = b.reshape(P, nb, t, K)
     c, e = bt[:, :, :1], bt[:, :, -1:]                                     # [P, nb, 1, K]
     row = jnp.exp(bt - c)                                                  # e^{b_r − c_i} ∈ (0, 1]
@@ -118,7 +113,7 @@ def _intra_forward(q, k, v, g, beta, reset, *, sub: int, safe_gate: bool, solve:
         decay = decay * alive[:, -1]
     a_qk = jnp.where(m_qk, p_qk, 0.0)
     a_kk = jnp.where(m_kk, p_kk, 0.0) * beta[..., None]
-    tinv = unit_lower_inverse(a_kk, solve, t)
+    tinv = inverse(a_kk, t)
     rhs = jnp.concatenate([v, k_dec], axis=-1)                             # [V | K̃]
     x = tri_matmul(tinv * beta[:, None, :], rhs, t)                       # [U₀ | W] = T diag(β) [V | K̃]
     saved = dict(row=row, col=col, mid=mid, ec=ec, e_rest=e_rest, xs=xs, kc=kc, ys=ys, dec=dec, qt=qt, kt=kt,
@@ -127,9 +122,9 @@ def _intra_forward(q, k, v, g, beta, reset, *, sub: int, safe_gate: bool, solve:
     return (a_qk, x[..., :V], x[..., V:], q_dec, k_rest, decay), saved
 
 
-def _reverse_cumsum(x: jax.Array, how: str, sub: int) -> jax.Array:
-    """``y_r = Σ_{r' ≥ r} x_{r'}`` over axis −2 (the transpose of :func:`_chunk_cumsum`)."""
-    return jnp.sum(x, axis=-2, keepdims=True) - _chunk_cumsum(x, how, sub) + x
+def _reverse_cumsum(x: jax.Array, cumsum, sub: int) -> jax.Array:
+    """``y_r = Σ_{r' ≥ r} x_{r'}`` over axis −2 (the transpose of the in-chunk ``cumsum``)."""
+    return jnp.sum(x, axis=-2, keepdims=True) - cumsum(x, sub) + x
 
 
 def _intra_backward(s: dict, cts) -> tuple[jax.Array, ...]:
@@ -190,34 +185,13 @@ def _intra_backward(s: dict, cts) -> tuple[jax.Array, ...]:
     return dq.reshape(P, n, K), dk, dv, dg, dbeta
 
 
-def _chunk_states(u0, w, k_rest, decay, S0, scan: str):
+def _chunk_states(u0, w, k_rest, decay, S0):
     """Carry S across chunks: ``U_c = u0_c − w_c S_c``, ``S_{c+1} = e^{b_n} ⊙ S_c + k_restᵀ U_c``.
 
     Inputs chunk-major ``[C, G, n, ·]`` (G = batch × heads; the scan reads them in place), ``decay [C, G, K]``,
     ``S0 [G, K, V]``. Returns ``(S_c [C, G, K, V]`` the state entering each chunk, ``U [C, G, n, V]``, final
-    state)``. ``scan="associative"`` instead composes the affine maps ``S ↦ M_c S + B_c``
-    (``M_c = diag(e^{b_n}) − k_restᵀ w_c``) with ``lax.associative_scan``; ``scan="affine"`` precomputes
-    ``M_c, B_c`` for all chunks and scans ``S ← M_c S + B_c`` (one matmul a step).
+    state ``[G, K, V])``.
     """
-    if scan in ("associative", "affine"):
-        M = decay[..., :, None] * jnp.eye(decay.shape[-1], dtype=decay.dtype) - _mm("...nk,...nj->...kj", k_rest, w)
-        Bc = _mm("...nk,...nv->...kv", k_rest, u0)
-    if scan == "affine":  # one [K, K] @ [K, V] per chunk in the sequential part, the rest batched
-        def step(S, xs):
-            return _mm("gkj,gjv->gkv", xs[0], S) + xs[1], S
-
-        S, S_in = jax.lax.scan(step, S0, (M, Bc))
-        return S_in, u0 - _mm("...nk,...kv->...nv", w, S_in), S
-    if scan == "associative":
-        def combine(x, y):  # apply x then y
-            return _mm("...ij,...jk->...ik", y[0], x[0]), _mm("...ij,...jv->...iv", y[0], x[1]) + y[1]
-
-        Mc, Sc = jax.lax.associative_scan(combine, (M, Bc), axis=0)
-        S_after = Sc + _mm("cgkj,gjv->cgkv", Mc, S0)                      # S_{c+1} for every chunk
-        S_in = jnp.concatenate([S0[None], S_after[:-1]], axis=0)
-        U = u0 - _mm("...nk,...kv->...nv", w, S_in)
-        return S_in, U, S_after[-1]
-
     def body(S, xs):
         u0_c, w_c, kr_c, d_c = xs
         U = u0_c - _mm("gnk,gkv->gnv", w_c, S)
@@ -260,9 +234,11 @@ def _kda_intra(q, k, v, g, beta, reset, **intra):
     return _intra_forward(q, k, v, g, beta, reset, **intra)[0]
 
 
-def _intra_vjp(q, k, v, g, beta, reset, cts, **intra):
-    """Recompute :func:`_intra_forward` and pull ``cts`` back through it with :func:`_intra_backward`."""
-    return _intra_backward(_intra_forward(q, k, v, g, beta, reset, **intra)[1], cts)
+def _intra_vjp(q, k, v, g, beta, reset, **intra):
+    """``(outs, pull)``: :func:`_intra_forward`'s outputs and the map of their cotangents to those of
+    ``(q, k, v, g, β)`` by :func:`_intra_backward` (the backward passes call it on recomputed inputs)."""
+    outs, saved = _intra_forward(q, k, v, g, beta, reset, **intra)
+    return outs, lambda cts: _intra_backward(saved, cts)
 
 
 def _intra_by_head(cfg, qc, kc, vc, gc, bc, reset):
@@ -281,9 +257,7 @@ def _intra_vjp_by_head(cfg, qc, kc, vc, gc, bc, reset, cts):
     C, G = qc.shape[:2]
 
     def one(q, k, v, g, b, r, *ct):
-        if cfg.intra_vjp == "autodiff":
-            return jax.vjp(lambda *x: _kda_intra(*x, r, **cfg.intra), q, k, v, g, b)[1](ct)
-        return _intra_vjp(q, k, v, g, b, r, ct, **cfg.intra)
+        return cfg.intra_vjp(q, k, v, g, b, r, **cfg.intra)[1](ct)
 
     out = _blocked(one, tuple(map(_flat, (qc, kc, vc, gc, bc, reset, *cts))), cfg.block)
     return tuple(x.reshape(C, G, *x.shape[1:]) for x in out)
@@ -291,7 +265,7 @@ def _intra_vjp_by_head(cfg, qc, kc, vc, gc, bc, reset, cts):
 
 def _kda_core_impl(cfg, qc, kc, vc, gc, bc, reset, S0):
     a_qk, u0, w, q_dec, k_rest, decay = _intra_by_head(cfg, qc, kc, vc, gc, bc, reset)
-    S_in, U, S = _chunk_states(u0, w, k_rest, decay, S0, cfg.scan)
+    S_in, U, S = cfg.states(u0, w, k_rest, decay, S0)
     return _chunk_outputs(q_dec, a_qk, S_in, U), S
 
 
@@ -308,7 +282,7 @@ def _kda_core_bwd(cfg, res, cts):
     # forward's identical one and keep every intermediate alive from the forward to here after all.
     (qc, kc, vc, gc, bc, reset, S0), do = jax.lax.optimization_barrier((res, do))
     a_qk, u0, w, q_dec, k_rest, decay = _intra_by_head(cfg, qc, kc, vc, gc, bc, reset)
-    S_in, U, _ = _chunk_states(u0, w, k_rest, decay, S0, "scan")
+    S_in, U, _ = _chunk_states(u0, w, k_rest, decay, S0)
     d_qdec = _mm("...nv,...kv->...nk", do, S_in)
     d_aqk = _mm("...nv,...sv->...ns", do, U)
     dU_out = _mm("...ns,...nv->...sv", a_qk, do)
@@ -334,9 +308,10 @@ _kda_core.defvjp(_kda_core_fwd, _kda_core_bwd)
 
 
 # ------------------------------------------------------------------------------ fused: one scan over chunk blocks
-# The default path reads q, k, v, g, β in their own [B, T, H, ·] layout (and dtype) one block of ``bc`` chunks at a
-# time and writes o (and, backward, the gradients) back in place, so nothing sequence-sized is ever transposed,
-# cast or stored between passes: intra pass, state recurrence and outputs all run on a block that fits in cache.
+# The CPU default ("fused") reads q, k, v, g, β in their own [B, T, H, ·] layout (and dtype) one block of ``bc``
+# chunks at a time and writes o (and, backward, the gradients) back in place, so nothing sequence-sized is ever
+# transposed, cast or stored between passes: intra pass, state recurrence and outputs all run on a block that fits
+# in cache.
 def _block_heads(cfg, x, i):
     """Block ``i`` (``bc`` chunks) of ``x [B, T', H, ·]`` as chunk-major ``[bc, B·H, n, ·]`` in ``cfg.dtype``."""
     B, _, H = x.shape[:3]
@@ -430,12 +405,7 @@ def _kda_fused_bwd(cfg, res, cts):
     def step(dS, i):
         x_in = _block_in(cfg, xs, i)
         bc, G = x_in[0].shape[:2]
-        if cfg.intra_vjp == "autodiff":
-            r = _flat(x_in[5])
-            outs, pull = jax.vjp(lambda *a: _kda_intra(*a, r, **cfg.intra), *map(_flat, x_in[:5]))
-        else:
-            outs, saved = _intra_forward(*map(_flat, x_in), **cfg.intra)
-            pull = lambda ct: _intra_backward(saved, ct)  # noqa: E731
+        outs, pull = cfg.intra_vjp(*map(_flat, x_in), **cfg.intra)
         a_qk, u0, w, q_dec, k_rest, decay = (x.reshape(bc, G, *x.shape[1:]) for x in outs)
         S_in, U, _, _ = _replay(S_starts[i], a_qk, u0, w, q_dec, k_rest, decay)
         do_b = _block_heads(cfg, do, i)
@@ -467,16 +437,25 @@ _kda_fused = jax.custom_vjp(_kda_fused_impl, nondiff_argnums=(0,))
 _kda_fused.defvjp(_kda_fused_fwd, _kda_fused_bwd)
 
 
+# ------------------------------------------------------------------------------------ registered implementations
 class _Cfg:
-    """Static settings of the chunked kernel (hashable, for ``nondiff_argnums``)."""
+    """Static settings of one kernel call (hashable: the custom VJPs' ``nondiff_argnums``) and the stages it runs,
+    as class attributes — the production ones; ``benchmarks/kda_variants.py`` times others by subclassing."""
 
-    def __init__(self, sub: int, safe_gate: bool, solve: str, cumsum: str, scan: str, block: int,
-                 n: int = 0, bc: int = 0, scale: float = 1.0, dtype=jnp.float32, intra_vjp: str = "manual"):
-        self.intra = dict(sub=sub, safe_gate=safe_gate, solve=solve, cumsum=cumsum)
-        self.scan, self.block, self.intra_vjp = scan, block, intra_vjp
+    cumsum = staticmethod(_chunk_cumsum)          # in-chunk cumulative log decay (reversed: its transpose)
+    inverse = staticmethod(unit_lower_inverse)    # T = (I + A)⁻¹
+    states = staticmethod(_chunk_states)          # "scan": the forward's state scan across chunks
+    intra_vjp = staticmethod(_intra_vjp)          # the intra pass and its pullback, in the backward passes
+    fused = staticmethod(_kda_fused)              # "fused", differentiated by its recomputing custom VJP
+    separate = staticmethod(_kda_core)            # "scan", likewise
+
+    def __init__(self, sub: int, safe_gate: bool, block: int, n: int = 0, bc: int = 0, scale: float = 1.0,
+                 dtype=jnp.float32):
+        self.intra = dict(sub=sub, safe_gate=safe_gate, cumsum=self.cumsum, inverse=self.inverse)
+        self.block = block
         # fused path: chunk size, chunks per block, q scale, internal dtype
         self.n, self.bc, self.scale, self.dtype = n, bc, scale, jnp.dtype(dtype)
-        self._key = (sub, safe_gate, solve, cumsum, scan, block, n, bc, scale, self.dtype, intra_vjp)
+        self._key = (type(self), sub, safe_gate, block, n, bc, scale, self.dtype)
 
     def __hash__(self):
         return hash(self._key)
@@ -485,12 +464,66 @@ class _Cfg:
         return isinstance(other, _Cfg) and self._key == other._key
 
 
+def _fused(q, k, v, g, beta, reset, S0, *, n: int, sub: int, safe_gate: bool, scale: float, block: int = 16,
+           cfg_type: type = _Cfg):
+    """``"fused"``: one ``lax.scan`` over blocks of ``max(1, block // (B·H))`` chunks (``block`` (chunk, head)
+    pairs a step). Each step reads its block of q, k, v, g, β straight from their ``[B, T, H, ·]`` layout (no
+    sequence-sized transpose, cast or intermediate), runs the intra-chunk pass for all its pairs at once, then
+    carries S through the block's chunks with two matmuls each and writes their outputs; the custom VJP keeps the
+    inputs and one state per block. Returns ``(o [B, T, H, V] in v.dtype, S [B·H, K, V])``."""
+    B, T, H = beta.shape
+    C = max(1, math.ceil(T / n))
+    bc = min(C, max(1, block // (B * H)))                                   # chunks per block
+    cfg = cfg_type(sub, safe_gate, block, n, bc, scale, S0.dtype)
+    Tp = -(-C // bc) * bc * n
+    padT = lambda x: x if Tp == T else jnp.pad(x, [(0, 0), (0, Tp - T)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
+    r = None if reset is None else padT(reset.astype(bool))
+    o, S = cfg.fused(cfg, *map(padT, (q, k, v, g, beta)), r, S0)
+    return o[:, :T].astype(v.dtype), S
+
+
+def _separate(q, k, v, g, beta, reset, S0, *, n: int, sub: int, safe_gate: bool, scale: float,
+              block: int = 1024, cfg_type: type = _Cfg):
+    """``"scan"``: separate passes — the intra pass for all chunks at once (``lax.map`` in blocks of ``block``
+    (chunk, head) pairs), one state scan, one batched output pass; the custom VJP keeps the inputs. Returns
+    ``(o [B, T, H, V] in v.dtype, S [B·H, K, V])``."""
+    B, T, H, _ = q.shape
+    V = v.shape[-1]
+    C = max(1, math.ceil(T / n))
+    pad = C * n - T
+
+    def prep(x):  # [B, T, H, ...] -> chunk-major [C, B·H, n, ...] fp32, zero padded at the end
+        x = x.astype(S0.dtype)
+        if pad:
+            x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        x = jnp.moveaxis(x.reshape(B, C, n, H, *x.shape[3:]), (1, 3), (0, 2))  # [C, B, H, n, ...]
+        return x.reshape(C, B * H, n, *x.shape[4:])
+
+    r = None
+    if reset is not None:
+        r = jnp.pad(reset.astype(bool), [(0, 0), (0, pad)]).reshape(B, C, 1, n)
+        r = jnp.broadcast_to(jnp.moveaxis(r, 1, 0), (C, B, H, n)).reshape(C, B * H, n)
+    cfg = cfg_type(sub, safe_gate, block)
+    o, S = cfg.separate(cfg, prep(q) * scale, prep(k), prep(v), prep(g), prep(beta), r, S0)
+    o = jnp.moveaxis(o.reshape(C, B, H, n, V), (0, 2), (1, 3))               # [B, C, n, H, V]
+    return o.reshape(B, C * n, H, V)[:, :T].astype(v.dtype), S
+
+
+KDA_CHUNKED_IMPLS = {"fused": _fused, "scan": _separate}
+"""The production implementations of :func:`kda_chunked` by name (its ``impl``)."""
+
+
+def default_impl() -> str:
+    """The implementation :func:`kda_chunked` runs by default on this backend: ``"fused"`` on CPU, ``"scan"`` on
+    accelerators (where one intra pass over every chunk at once keeps the device busy)."""
+    return "fused" if jax.default_backend() == "cpu" else "scan"
+
+
 def kda_chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
                 scale: float | None = None, initial_state: jax.Array | None = None,
                 output_final_state: bool = False, chunk_size: int | None = None, sub_chunk: int = 16,
-                safe_gate: bool = False, reset: jax.Array | None = None, *, solve: str = "blocked",
-                cumsum: str = "tiled", scan: str | None = None, recompute: bool = True,
-                block: int | None = None, intra_vjp: str = "manual") -> tuple[jax.Array, jax.Array | None]:
+                safe_gate: bool = False, reset: jax.Array | None = None, *,
+                impl: str | None = None) -> tuple[jax.Array, jax.Array | None]:
     """Chunked KDA (spec §4.3), mathematically identical to :func:`kda_recurrent`; fp32 internals.
 
     Per chunk of n tokens with incoming state S₀ and in-chunk cumulative log decay ``b_r = Σ_{s≤r} g_s``::
@@ -500,33 +533,32 @@ def kda_chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: ja
         o_r = (q_r ⊙ e^{b_r})ᵀ S₀ + Σ_{s≤r} (Σ_j q_r[j] k_s[j] e^{b_r[j]−b_s[j]}) u_s
         S_n = Diag(e^{b_n}) S₀ + Σ_s (k_s ⊙ e^{b_n−b_s}) u_sᵀ
 
-    ``chunk_size=None`` picks 32 on CPU and 64 on accelerators (on CPU a 32-token chunk does 0.8× the work per
-    token of a 64-token one and its matmuls still run near XLA:CPU's batched-GEMM rate; measured in
-    ``benchmarks/kda.py``). ``scan=None`` picks ``"fused"`` on CPU and ``"scan"`` on accelerators (where one intra
-    pass over every chunk at once keeps the device busy; measured on an H200 before the fused path existed);
-    ``block=None`` picks 16 pairs for ``"fused"`` and 1024 otherwise. ``scan="fused"``: one ``lax.scan`` over blocks
-    of chunks. Each step reads one block of q, k, v, g, β straight from their ``[B, T, H, ·]`` layout (no
-    sequence-sized transpose, cast or intermediate), runs the intra-chunk pass for all its (chunk, head) pairs at
-    once (16-row tiles and ``T = (I + A)⁻¹`` by blocks, see :func:`_intra_forward`), then carries S through the
-    block's chunks with two matmuls each and writes their outputs. ``block`` is the number of (chunk, head) pairs
-    per step (``max(1, block // (B·H))`` chunks). ``scan="scan"`` runs separate passes instead — the intra pass for
-    all chunks (``lax.map`` in blocks of ``block`` pairs), one state scan, one batched output pass — and
-    ``"affine"`` / ``"associative"`` replace its state scan (benchmarked in ``benchmarks/kda.py``).
+    The intra-chunk pass works in ``sub_chunk``-row tiles with ``T = (I + A)⁻¹`` by blocks (see
+    :func:`_intra_forward`). ``chunk_size=None`` picks 32 on CPU and 64 on accelerators. ``impl`` names one of
+    :data:`KDA_CHUNKED_IMPLS` (``"fused"``: one scan over blocks of chunks; ``"scan"``: separate passes); ``None``
+    picks :func:`default_impl`. Both differentiate with a custom VJP that keeps only the inputs (and, fused, the
+    state entering each block) and recomputes the per-chunk intermediates block by block in the backward pass,
+    pulling the cotangents back through the intra-chunk pass with its hand-written VJP (:func:`_intra_backward`).
     ``safe_gate=True`` asserts every ``g ≥ −5`` (K3's lower-bound gate) and lets the diagonal tiles factor their
     exponentials too (needs ``sub_chunk ≤ 16``); leave it False for an unbounded (softplus) gate. T need not be a
     multiple of ``chunk_size`` (zero padding leaves state and outputs exact).
-
-    ``recompute=True`` (default) differentiates with a custom VJP that keeps only the inputs (and, fused, the state
-    entering each block) and recomputes the per-chunk intermediates block by block in the backward pass, pulling
-    the cotangents back through the intra-chunk pass with its hand-written VJP (:func:`_intra_backward`;
-    ``intra_vjp="autodiff"`` uses ``jax.vjp`` of the same forward instead); ``False`` lets ``jax.grad`` store
-    everything. ``solve`` (how T is inverted: ``blocked``/``neumann``/``rowscan``/``triangular_solve``) and
-    ``cumsum`` (``tiled``/``native``/``matmul``) select variants benchmarked in ``benchmarks/kda.py``.
 
     ``reset [B, T]`` (bool) zeroes the state before each marked token (packed documents): pairs of tokens from
     different documents are masked out of A and of the in-chunk attention, rows after a reset do not read S₀, and
     the chunk's outgoing state keeps only its last document.
     """
+    if impl is None:
+        impl = default_impl()
+    if impl not in KDA_CHUNKED_IMPLS:
+        raise ValueError(f"kda_chunked: impl must be one of {tuple(KDA_CHUNKED_IMPLS)}, got {impl!r}")
+    return _kda_chunked(KDA_CHUNKED_IMPLS[impl], q, k, v, g, beta, scale, initial_state, output_final_state,
+                        chunk_size, sub_chunk, safe_gate, reset)
+
+
+def _kda_chunked(run, q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size, sub_chunk,
+                 safe_gate, reset):
+    """:func:`kda_chunked` by the implementation ``run`` (a :data:`KDA_CHUNKED_IMPLS` entry, or a benchmark
+    variant's): checks, defaults and the state's layout are shared."""
     _check(q, k, v, g, beta, initial_state)
     if chunk_size is None:
         chunk_size = 32 if jax.default_backend() == "cpu" else 64
@@ -538,49 +570,8 @@ def kda_chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: ja
                          f"got {sub_chunk}")
     B, T, H, K = q.shape
     V = v.shape[-1]
-    n = chunk_size
     scale = K ** -0.5 if scale is None else scale
-    C = max(1, math.ceil(T / n))
-    pad = C * n - T
     a = acc_dtype(q, k, v)
-
-    def prep(x):  # [B, T, H, ...] -> chunk-major [C, B·H, n, ...] fp32, zero padded at the end
-        x = x.astype(a)
-        if pad:
-            x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-        x = jnp.moveaxis(x.reshape(B, C, n, H, *x.shape[3:]), (1, 3), (0, 2))  # [C, B, H, n, ...]
-        return x.reshape(C, B * H, n, *x.shape[4:])
-
-    if scan is None:
-        scan = "fused" if jax.default_backend() == "cpu" else "scan"
-    if block is None:
-        block = 16 if scan == "fused" else 1024
-    if block < 1:
-        raise ValueError(f"kda_chunked: block must be ≥ 1 (chunk·head pairs per intra-chunk block); got {block}")
-    if intra_vjp not in ("manual", "autodiff"):
-        raise ValueError(f"kda_chunked: intra_vjp must be 'manual' or 'autodiff', got {intra_vjp!r}")
-    if solve not in SOLVES:
-        raise ValueError(f"kda_chunked: solve must be one of {SOLVES}, got {solve!r}")
-    if scan not in SCANS:
-        raise ValueError(f"kda_chunked: scan must be one of {SCANS}, got {scan!r}")
     S0 = (jnp.zeros((B, H, K, V), a) if initial_state is None else initial_state.astype(a)).reshape(B * H, K, V)
-    if scan == "fused":
-        bc = min(C, max(1, block // (B * H)))                               # chunks per block
-        cfg = _Cfg(sub_chunk, safe_gate, solve, cumsum, scan, block, n, bc, scale, a, intra_vjp)
-        Tp = -(-C // bc) * bc * n
-        padT = lambda x: x if Tp == T else jnp.pad(x, [(0, 0), (0, Tp - T)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
-        r = None if reset is None else padT(reset.astype(bool))
-        args = (*map(padT, (q, k, v, g, beta)), r, S0)
-        o, S = _kda_fused(cfg, *args) if recompute else _kda_fused_impl(cfg, *args)
-        o = o[:, :T].astype(v.dtype)
-        return o, (S.reshape(B, H, K, V) if output_final_state else None)
-    r = None
-    if reset is not None:
-        r = jnp.pad(reset.astype(bool), [(0, 0), (0, pad)]).reshape(B, C, 1, n)
-        r = jnp.broadcast_to(jnp.moveaxis(r, 1, 0), (C, B, H, n)).reshape(C, B * H, n)
-    cfg = _Cfg(sub_chunk, safe_gate, solve, cumsum, scan, block, intra_vjp=intra_vjp)
-    args = (prep(q) * scale, prep(k), prep(v), prep(g), prep(beta), r, S0)
-    o, S = _kda_core(cfg, *args) if recompute else _kda_core_impl(cfg, *args)
-    o = jnp.moveaxis(o.reshape(C, B, H, n, V), (0, 2), (1, 3))               # [B, C, n, H, V]
-    o = o.reshape(B, C * n, H, V)[:, :T].astype(v.dtype)
+    o, S = run(q, k, v, g, beta, reset, S0, n=chunk_size, sub=sub_chunk, safe_gate=safe_gate, scale=scale)
     return o, (S.reshape(B, H, K, V) if output_final_state else None)

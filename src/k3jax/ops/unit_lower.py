@@ -1,6 +1,7 @@
-"""Unit lower-triangular algebra for the chunked KDA (spec §4.3): ``(I + A)⁻¹`` and ``(I + A)⁻¹ R`` for a strictly
-lower-triangular ``A``, by blocked forward substitution over diagonal-block inverses, Neumann doubling, a row scan,
-or LAPACK's ``triangular_solve``; and products with a block lower-triangular matrix that skip its zero blocks.
+"""Unit lower-triangular algebra for the chunked KDA (spec §4.3): ``(I + A)⁻¹`` for a strictly lower-triangular
+``A`` by blocks (diagonal-block inverses by Neumann doubling, then block forward substitution), and products with a
+block lower-triangular matrix that skip its zero blocks. Other ways to invert (a row scan; Neumann doubling of the
+whole matrix) are benchmark variants, in ``benchmarks/kda_variants.py``.
 """
 
 from __future__ import annotations
@@ -10,9 +11,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from k3jax.ops.kda import HIGHEST, _mm
-
-SOLVES = ("blocked", "neumann", "rowscan", "triangular_solve")
+from k3jax.ops.kda import _mm
 
 
 def inverse_unit_lower_neumann(a_strict: jax.Array) -> jax.Array:
@@ -42,59 +41,11 @@ def _diagonal_block_inverses(a_strict: jax.Array, block: int) -> tuple[int, int,
     return bl, nb, inverse_unit_lower_neumann(jnp.stack(diag, axis=-3))
 
 
-def solve_unit_lower(a_strict: jax.Array, rhs: jax.Array, method: str = "blocked", block: int = 16) -> jax.Array:
-    """``X = (I + A)⁻¹ R`` for strictly lower-triangular ``A [..., n, n]``, ``R [..., n, m]``, batched.
-
-    * ``blocked`` (default): the ``block × block`` diagonal blocks are inverted by Neumann doubling, then block
-      forward substitution ``X_i = D_i⁻¹ (R_i − Σ_{j<i} A_ij X_j)`` — ``n/block`` steps of dense matmuls;
-    * ``neumann``: the whole ``(I + A)⁻¹`` by doubling (≈ 2 log₂n n³ FLOPs), then one matmul;
-    * ``rowscan``: one row per ``lax.scan`` step, ``x_r = R_r − Σ_{s<r} A_rs x_s`` (the first version; slow);
-    * ``triangular_solve``: ``jax.lax.linalg.triangular_solve`` (LAPACK ``trsm`` on CPU).
+def unit_lower_inverse(a_strict: jax.Array, block: int = 16) -> jax.Array:
+    """``T = (I + A)⁻¹`` for strictly lower-triangular ``A [..., n, n]`` (T is unit lower-triangular): the
+    ``block × block`` diagonal blocks ``D_i⁻¹`` by Neumann doubling, then block row by block row
+    ``T_{i, <i} = −D_i⁻¹ (A_{i, <i} T_{<i, <i})`` — ``n/block − 1`` steps of two small matmuls.
     """
-    n = a_strict.shape[-1]
-    if method == "triangular_solve":
-        eye = jnp.eye(n, dtype=a_strict.dtype)
-        return jax.lax.linalg.triangular_solve(a_strict + eye, rhs, left_side=True, lower=True, unit_diagonal=True)
-    if method == "neumann":
-        return _mm("...ij,...jm->...im", inverse_unit_lower_neumann(a_strict), rhs)
-    if method == "rowscan":
-        rows_a, rows_r = jnp.moveaxis(a_strict, -2, 0), jnp.moveaxis(rhs, -2, 0)
-
-        def body(x, inp):
-            r, a_r, rhs_r = inp
-            x_r = rhs_r - jnp.einsum("...s,...sm->...m", a_r, x, precision=HIGHEST)
-            return jax.lax.dynamic_update_index_in_dim(x, x_r, r, axis=-2), None
-
-        return jax.lax.scan(body, jnp.zeros_like(rhs), (jnp.arange(n), rows_a, rows_r))[0]
-    if method != "blocked":
-        raise ValueError(f"solve_unit_lower: method must be one of {SOLVES}, got {method!r}")
-    bl, nb, d_inv = _diagonal_block_inverses(a_strict, block)
-    xs: list[jax.Array] = []
-    for i in range(nb):
-        r = rhs[..., i * bl:(i + 1) * bl, :]
-        if i:
-            left = a_strict[..., i * bl:(i + 1) * bl, :i * bl]
-            r = r - _mm("...rs,...sm->...rm", left, jnp.concatenate(xs, axis=-2))
-        xs.append(_mm("...rs,...sm->...rm", d_inv[..., i, :, :], r))
-    return jnp.concatenate(xs, axis=-2)
-
-
-
-def unit_lower_inverse(a_strict: jax.Array, method: str = "blocked", block: int = 16) -> jax.Array:
-    """``T = (I + A)⁻¹`` for strictly lower-triangular ``A [..., n, n]`` (T is unit lower-triangular).
-
-    * ``blocked`` (default): the ``block × block`` diagonal blocks ``D_i⁻¹`` by Neumann doubling, then block row by
-      block row ``T_{i, <i} = −D_i⁻¹ (A_{i, <i} T_{<i, <i})`` — ``n/block − 1`` steps of two small matmuls;
-    * ``neumann``: the whole inverse by doubling; ``rowscan``: row-by-row substitution on the identity;
-      ``triangular_solve``: ``jax.lax.linalg.triangular_solve`` on the identity (LAPACK ``trsm`` on CPU).
-    """
-    n = a_strict.shape[-1]
-    if method in ("neumann", "rowscan", "triangular_solve"):
-        if method == "neumann":
-            return inverse_unit_lower_neumann(a_strict)
-        return solve_unit_lower(a_strict, jnp.broadcast_to(jnp.eye(n, dtype=a_strict.dtype), a_strict.shape), method)
-    if method != "blocked":
-        raise ValueError(f"kda_chunked: solve must be one of {SOLVES}, got {method!r}")
     bl, nb, d_inv = _diagonal_block_inverses(a_strict, block)
     t = d_inv[..., 0, :, :]                                                # T_{<1, <1}
     for i in range(1, nb):
