@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import jax
 from flax import nnx
 
 from k3jax.config import K3Config
@@ -70,22 +69,3 @@ def parameter_table(cfg: K3Config) -> ParamTable:
     embedding = comps.get("embedding", 0) if not cfg.tie_word_embeddings else 0
     activated = total - (routed - routed_active) - embedding
     return ParamTable(comps, total, activated, comps.get("embedding", 0), routed, routed_active)
-
-
-def format_table(cfg: K3Config, name: str = "") -> str:
-    """A readable table of :func:`parameter_table`."""
-    t = parameter_table(cfg)
-    lines = [f"parameters of {name or 'model'} ({cfg.num_hidden_layers} layers: "
-             f"{cfg.layer_types.count('kda')} KDA, {cfg.layer_types.count('mla')} MLA; "
-             f"{len(cfg.moe_layers)} MoE × {cfg.num_experts or 0} experts, top-{cfg.num_experts_per_token or 0})"]
-    w = max(len(c) for c in t.components) + 2
-    for c, n in sorted(t.components.items(), key=lambda kv: -kv[1]):
-        lines.append(f"  {c:<{w}}{n:>22,}  {n / 1e9:>10.3f} B")
-    lines.append(f"  {'total':<{w}}{t.total:>22,}  {t.total / 1e9:>10.3f} B")
-    lines.append(f"  {'activated per token':<{w}}{t.activated:>22,}  {t.activated / 1e9:>10.3f} B"
-                 "   (top-k experts + lm_head, input embedding excluded)")
-    return "\n".join(lines)
-
-
-def count_leaves(tree) -> int:
-    return sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(tree))

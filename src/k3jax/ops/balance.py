@@ -14,18 +14,10 @@ quantile is read off the cumulative counts (error ≤ one bin width). :func:`qua
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 
 DEFAULT_BINS = 1000
-
-
-class QBSettings(NamedTuple):
-    """Quantile Balancing resolution: histogram ``bins`` and fixed-point ``passes`` per step."""
-    bins: int = DEFAULT_BINS
-    passes: int = 3
 
 
 def required_bias(scores: jax.Array, bias: jax.Array, k: int) -> jax.Array:

@@ -400,7 +400,7 @@ def _kda_fused_bwd(cfg, res, cts):
     # forward's identical one and keep every intermediate alive from the forward to here after all.
     (q, k, v, g, beta, reset, S_starts), do = jax.lax.optimization_barrier((res, do))
     xs = (q, k, v, g, beta, reset)
-    B, L = beta.shape[0], cfg.bc * cfg.n
+    B = beta.shape[0]
 
     def step(dS, i):
         x_in = _block_in(cfg, xs, i)

@@ -93,8 +93,3 @@ def muon_partition(state) -> dict[str, list[str]]:
     for path, var in nnx.to_flat_state(state):
         out["muon" if muon_dims(var) else "adamw"].append(".".join(map(str, path)))
     return out
-
-
-def count_muon(state) -> tuple[int, int]:
-    p = muon_partition(state)
-    return len(p["muon"]), len(p["adamw"])
