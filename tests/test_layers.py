@@ -107,7 +107,8 @@ def test_latent_moe_block_closed_form(rng):
     moe.e_score_correction_bias[...] = jnp.asarray(rng.normal(size=(8,)), jnp.float32)
     moe.routed_expert_norm.weight[...] = jnp.asarray(rng.uniform(0.5, 1.5, size=(32,)), jnp.float32)
     x = jnp.asarray(rng.normal(size=(2, 5, 64)), jnp.float32)
-    y, counts, _ = moe(x)
+    y, (counts, scores) = moe(x)
+    assert scores is None                               # router scores only when asked (training)
     xf = np.asarray(x).reshape(10, 64)
     s = 1 / (1 + np.exp(-(xf @ np.asarray(moe.gate.kernel[...]))))
     idx = np.argsort(-(s + np.asarray(moe.e_score_correction_bias[...])), -1)[:, :2]
@@ -127,6 +128,11 @@ def test_latent_moe_block_closed_form(rng):
                             jnp.asarray(xf @ np.asarray(sh.up_proj.kernel[...])))) @ np.asarray(sh.down_proj.kernel[...])
     want = normed @ np.asarray(moe.routed_expert_up_proj.kernel[...]) + shared
     np.testing.assert_allclose(np.asarray(y).reshape(10, 64), want, rtol=2e-4, atol=2e-5)
+    # for the training step's balancing, the same call also reports the (unbiased) sigmoid router scores
+    _, (counts2, scores) = moe(x, router_scores=True)
+    np.testing.assert_allclose(np.asarray(scores), s, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(counts2), np.asarray(counts))
+    np.testing.assert_array_equal(np.asarray(counts), np.bincount(idx.ravel(), minlength=8))
     np.testing.assert_array_equal(counts, np.bincount(idx.reshape(-1), minlength=8))
 
 

@@ -61,14 +61,12 @@ def test_prefill_and_decode_match_transformers_cache(hf_checkpoint):
     model = k3jax.load_pretrained(hf_checkpoint)
     prefix = ids.shape[1] - ref.shape[1]
     engine = Engine(model, chunk=32)
-    caches, last, lengths = engine.prefill([row[:prefix] for row in ids], max_new_tokens=ref.shape[1])
+    cache, last, _ = engine.prefill([row[:prefix] for row in ids], max_new_tokens=ref.shape[1])
     got = [np.asarray(last)]
-    pos = jnp.asarray(lengths)
     for t in range(prefix, ids.shape[1] - 1):
-        _, lg, caches = engine._decode(engine.state, caches, jnp.asarray(ids[:, t], jnp.int32), pos,
-                                       jax.random.key(0), jnp.float32(0), jnp.int32(0), jnp.float32(1))
+        _, lg, cache = engine._decode(engine.state, cache, jnp.asarray(ids[:, t], jnp.int32),
+                                      jax.random.key(0), jnp.float32(0), jnp.int32(0), jnp.float32(1))
         got.append(np.asarray(lg))
-        pos = pos + 1
     got = np.stack(got, 1)
     scale = np.max(np.abs(ref))
     assert np.max(np.abs(got - ref)) <= 1e-4 * scale, np.max(np.abs(got - ref))
