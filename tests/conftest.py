@@ -52,3 +52,25 @@ def pytest_configure(config):
 def pytest_unconfigure(config):
     for d in _CACHE_MADE:
         shutil.rmtree(d, ignore_errors=True)
+
+
+_FORWARDS: dict = {}
+
+
+def jit_forward(model, input_ids, **kw):
+    """``model(input_ids, **kw)`` through one jitted function per model config (shared by every test and module
+    in the process): an eager forward compiles each primitive on its own, a jitted one compiles once per shape.
+    ``kw`` holds arrays (``segment_ids``, ``cache``, ``n_new``) or hashable settings (``kda_kernel``, …)."""
+    import json
+
+    from flax import nnx
+
+    graphdef, state = nnx.split(model)
+    key = json.dumps(model.config.to_dict(), sort_keys=True, default=str)
+    arrays = {k: v for k, v in kw.items() if v is None or hasattr(v, "shape") or k == "cache"}
+    static = tuple(sorted((k, v) for k, v in kw.items() if k not in arrays))
+    fn = _FORWARDS.get((key, static))
+    if fn is None:
+        fn = _FORWARDS[(key, static)] = jax.jit(
+            lambda st, ids, arr: nnx.merge(graphdef, st)(ids, **arr, **dict(static)))
+    return fn(state, input_ids, arrays)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from conftest import jit_forward
 from k3jax import K3Config, K3ForCausalLM
 from k3jax.ops.balance import (bias_bounds, max_violation, quantile_balance_update, quantile_bias_exact,
                                quantile_from_histogram, required_bias, required_bias_histogram, sign_update)
@@ -106,7 +107,8 @@ def test_bias_is_causal_and_frozen_at_eval():
     assert not np.allclose(b_before, b_after)                         # an update was computed from this batch …
     # … but this step's routing used the old bias: counts equal a forward with the old bias
     m_old = nnx.merge(g, p_st, r_st)
-    np.testing.assert_array_equal(m1["counts"], m_old(ids, segment_ids=batch["segment_ids"]).expert_counts)
+    np.testing.assert_array_equal(m1["counts"],
+                                  jit_forward(m_old, ids, segment_ids=batch["segment_ids"]).expert_counts)
     # eval reads the bias without changing it
     eval_step(p1, rest1, batch)
     np.testing.assert_array_equal(rest1["model"]["layers"][1]["block_sparse_moe"]["e_score_correction_bias"],

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from conftest import jit_forward
 from k3jax import K3Config, K3ForCausalLM
 from k3jax.nn.cache import Cache, KDACache, MLACache, init_cache
 from k3jax.parallel.rules import LOGICAL_TO_MESH, axes_tree, variable_axes
@@ -83,7 +84,7 @@ def test_decoding_one_slot_leaves_the_others_and_matches_it_alone(cfg, model):
     rng = np.random.default_rng(0)
     ids = jnp.asarray(rng.integers(0, cfg.vocab_size, (3, 6)), jnp.int32)
     cache = init_cache(cfg, 3, 16)
-    out = model(ids, cache=cache, n_new=jnp.asarray([6, 4, 0], jnp.int32))
+    out = jit_forward(model, ids, cache=cache, n_new=jnp.asarray([6, 4, 0], jnp.int32))
     assert out.cache.lengths.tolist() == [6, 4, 0]
     # slot 2 received no tokens: its KDA state and windows are still empty (MLA wrote padding there, masked
     # by its length 0 until overwritten)
@@ -91,12 +92,12 @@ def test_decoding_one_slot_leaves_the_others_and_matches_it_alone(cfg, model):
         if isinstance(lc, KDACache):
             for leaf in jax.tree.leaves(lc):
                 assert not np.asarray(leaf)[2].any()
-    alone = model(ids[1:2, :4], cache=init_cache(cfg, 1, 16))
+    alone = jit_forward(model, ids[1:2, :4], cache=init_cache(cfg, 1, 16), n_new=jnp.asarray([4], jnp.int32))
     np.testing.assert_allclose(np.asarray(out.logits)[1, :4], np.asarray(alone.logits)[0], atol=1e-5)
     # continue slot 1 only (one decode token), then compare with the same step alone
     nxt = jnp.asarray([[7], [8], [9]], jnp.int32)
-    step = model(nxt, cache=out.cache, n_new=jnp.asarray([0, 1, 0], jnp.int32))
-    step_alone = model(nxt[1:2], cache=alone.cache)
+    step = jit_forward(model, nxt, cache=out.cache, n_new=jnp.asarray([0, 1, 0], jnp.int32))
+    step_alone = jit_forward(model, nxt[1:2], cache=alone.cache, n_new=jnp.asarray([1], jnp.int32))
     np.testing.assert_allclose(np.asarray(step.logits)[1], np.asarray(step_alone.logits)[0], atol=1e-5)
     for a, b in zip(jax.tree.leaves(step.cache.read_slots(0)), jax.tree.leaves(out.cache.read_slots(0))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))   # slot 0 untouched by slot 1's step
@@ -105,13 +106,13 @@ def test_decoding_one_slot_leaves_the_others_and_matches_it_alone(cfg, model):
 def test_cached_forward_from_empty_equals_uncached(cfg, model):
     """The one forward: continuing an empty cache computes what the plain forward computes."""
     ids = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 9)), jnp.int32)
-    plain = model(ids)
+    plain = jit_forward(model, ids)
     assert plain.cache is None and plain.router_scores is None          # inference returns no training outputs
-    cached = model(ids, cache=init_cache(cfg, 2, 16))
+    cached = jit_forward(model, ids, cache=init_cache(cfg, 2, 16), n_new=jnp.asarray([9, 9], jnp.int32))
     np.testing.assert_allclose(np.asarray(cached.logits), np.asarray(plain.logits), atol=1e-5)
     np.testing.assert_array_equal(np.asarray(cached.expert_counts), np.asarray(plain.expert_counts))
     with pytest.raises(ValueError, match="cache: batch"):
-        model(ids, cache=init_cache(cfg, 3, 16))
+        jax.eval_shape(lambda c: model(ids, cache=c), init_cache(cfg, 3, 16))
 
 
 def test_every_variable_has_logical_axes_and_the_labels_are_right(cfg, model):

@@ -63,8 +63,8 @@ print(g(x, send, in_off, out_off, recv).ravel().tolist())
 
 @pytest.fixture(scope="module")
 def train_results():
-    """One process × 8 devices: 20 steps on one device, on data=2,expert=4, and the first 6 on
-    fsdp=2,expert=2,tensor=2 (same 20-step schedule)."""
+    """One process × 8 devices, the 20-step schedule: its first 10 steps on one device and on data=2,expert=4,
+    its first 6 on fsdp=2,expert=2,tensor=2."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
     res = subprocess.run([sys.executable, str(CHECK.with_name("ep_train_check.py")), "20", "all"], capture_output=True,
                          text=True, timeout=1500, env=env)
@@ -74,15 +74,16 @@ def train_results():
 
 @pytest.mark.slow
 def test_training_on_a_data2_expert4_mesh_follows_one_device(train_results):
-    """20 steps of ``train`` (test preset, MoonEP) on mesh data=2,expert=4, and 6 on fsdp=2,expert=2,tensor=2 (weights
-    sharded by the logical-axis rules), vs the same run on one device."""
+    """10 steps of ``train`` (test preset, MoonEP) on mesh data=2,expert=4, and 6 on fsdp=2,expert=2,tensor=2
+    (weights sharded by their logical-axes metadata), vs the same run on one device."""
     d = train_results
-    assert len(d["single"]) == len(d["moonep"]) == 20 and len(d["fsdp_tensor"]) == 6
+    assert len(d["single"]) == len(d["moonep"]) == 10 and len(d["fsdp_tensor"]) == 6
     # The chunked KDA's rounding depends on the per-device batch (XLA picks its codegen per shape), and this fast-
     # falling loss amplifies 1e-7 differences over steps (measured: ≤ 8.3e-7 through step 10, 3.5e-4 by step 18).
-    # A wrong exchange or plan shows at O(1) from the first step on, so: 10 steps tight, all 20 loose.
+    # A wrong exchange or plan shows at O(1) from the first step on, so the first 10 steps of the 20-step
+    # schedule are compared, tightly (steps 11–20 only added compile-free time to the suite).
     for i, (a, b) in enumerate(zip(d["single"], d["moonep"])):
-        assert abs(a - b) <= (1e-5 if i < 10 else 2e-3) * abs(a), (i, a, b)
+        assert abs(a - b) <= 1e-5 * abs(a), (i, a, b)
     # fsdp/tensor split the non-expert matmuls' contractions over devices, which changes the order of fp32 sums;
     # training amplifies such rounding differences over steps (measured: 1e-7 for 6 steps, ~1e-3 by step 20),
     # so the check covers the first 6 steps, where a wrong sharding rule would already show at O(1)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from conftest import jit_forward
 from k3jax import K3Config, K3ForCausalLM
 from k3jax.infer import Engine, GenerationError, generate
 from k3jax.nn.cache import cache_bytes, init_cache
@@ -51,7 +52,7 @@ def decode_through(engine: Engine, ids: np.ndarray, prefix: int) -> np.ndarray:
 def test_prefix_prefill_plus_decode_equals_full_forward(models, kind, rng):
     model = models[kind]
     ids = rng.integers(0, model.config.vocab_size, (2, 45)).astype(np.int32)
-    full = np.asarray(model(jnp.asarray(ids)).logits)
+    full = np.asarray(jit_forward(model, jnp.asarray(ids)).logits)
     engine = Engine(model, chunk=16)                      # 3 prefill chunks, the last one padded
     _, all_logits, _ = engine.prefill(list(ids), all_logits=True)
     assert np.max(np.abs(np.asarray(all_logits) - full)) <= 1e-4
@@ -67,12 +68,19 @@ def test_batched_prompts_equal_one_by_one(models, rng):
     engine = Engine(model, chunk=32)
     batch = engine.generate(prompts, 6)
     _, last_b, _ = engine.prefill(prompts, 6)
+    # the full forward of every prompt + its generation, right-padded into one batch (causal: padding after a
+    # row's end cannot change its logits)
+    seqs = [p + batch.tokens[i][:-1] for i, p in enumerate(prompts)]
+    padded = np.zeros((len(seqs), max(map(len, seqs))), np.int32)
+    for i, q in enumerate(seqs):
+        padded[i, : len(q)] = q
+    full_all = np.asarray(jit_forward(model, jnp.asarray(padded)).logits)
     for i, p in enumerate(prompts):
         alone = engine.generate([p], 6)
         assert alone.tokens[0] == batch.tokens[i]
         _, last_1, _ = engine.prefill([p], 6)
         assert np.max(np.abs(np.asarray(last_1[0]) - np.asarray(last_b[i]))) <= 1e-4
-        full = np.asarray(model(jnp.asarray([p + batch.tokens[i][:-1]], jnp.int32)).logits)[0, len(p) - 1:]
+        full = full_all[i, len(p) - 1: len(seqs[i])]
         assert list(np.argmax(full, -1)) == batch.tokens[i]             # greedy = argmax of the full forward
 
 

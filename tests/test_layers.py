@@ -159,7 +159,7 @@ def test_model_tiny_preset_runs_with_grad():
         logits = m(ids[:, :-1]).logits
         return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), ids[:, 1:, None], -1))
 
-    val, grads = nnx.value_and_grad(loss)(model)
+    val, grads = nnx.jit(nnx.value_and_grad(loss))(model)             # one compile, not op-by-op
     assert np.isfinite(float(val)) and abs(float(val) - np.log(cfg.vocab_size)) < 1.0
     gnorm = sum(float(jnp.sum(g ** 2)) for g in jax.tree_util.tree_leaves(grads))
     assert np.isfinite(gnorm) and gnorm > 0

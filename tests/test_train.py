@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from conftest import jit_forward
 from k3jax import K3Config, K3ForCausalLM
 from k3jax.text.tokenizer import ByteTokenizer, DataError, HFTokenizer
 from k3jax.train.data import Dataset, pack, stdlib_corpus, user_corpus
@@ -82,12 +83,17 @@ def test_packing_boundaries_make_documents_independent():
     row1 = np.concatenate([doc_a, doc_b])[None]
     row2 = np.concatenate([doc_b2, doc_b])[None]
     seg = np.concatenate([np.ones(20), 2 * np.ones(30)]).astype(np.int32)[None]
-    l1 = model(jnp.asarray(row1, jnp.int32), segment_ids=jnp.asarray(seg)).logits
-    l2 = model(jnp.asarray(row2, jnp.int32), segment_ids=jnp.asarray(seg)).logits
-    alone = model(jnp.asarray(doc_b[None], jnp.int32)).logits
+    both = jit_forward(model, jnp.asarray(np.concatenate([row1, row2]), jnp.int32),
+                       segment_ids=jnp.asarray(np.concatenate([seg, seg]))).logits
+    l1, l2 = both[:1], both[1:]
+    # doc_b alone (right-padded: causal, so its own logits are exact) and row1 without its segment ids, one batch
+    alone_padded = np.zeros_like(row1)
+    alone_padded[0, :30] = doc_b
+    plain = jit_forward(model, jnp.asarray(np.concatenate([alone_padded, row1]), jnp.int32)).logits
+    alone = plain[:1, :30]
     np.testing.assert_allclose(l1[0, 20:], l2[0, 20:], atol=2e-5)
     np.testing.assert_allclose(l1[0, 20:], alone[0], atol=2e-5)
-    unmasked = model(jnp.asarray(row1, jnp.int32)).logits
+    unmasked = plain[1:]
     assert float(jnp.max(jnp.abs(unmasked[0, 20:] - alone[0]))) > 1e-3     # the mask is what makes the difference
 
 
