@@ -12,10 +12,10 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
-# Two workers (one per CI core; a test file stays on one worker, so its module fixtures and compiled functions are
-# built once); the slowest tests are printed at the end. TEST_ARGS=... passes more (e.g. TEST_ARGS="-n 0 -x").
+# Two workers (one per CI core; files with expensive module fixtures stay on one worker, see tests/conftest.py,
+# the other tests are spread one by one); the slowest tests are printed at the end. TEST_ARGS=... passes more (e.g. TEST_ARGS="-n 0 -x").
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25 $(TEST_ARGS)
+	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=25 $(TEST_ARGS)
 
 demo: $(VENV)/.installed
 	$(VENV)/bin/k3jax demo

@@ -74,3 +74,16 @@ def jit_forward(model, input_ids, **kw):
         fn = _FORWARDS[(key, static)] = jax.jit(
             lambda st, ids, arr: nnx.merge(graphdef, st)(ids, **arr, **dict(static)))
     return fn(state, input_ids, arrays)
+
+
+# Files whose module fixtures are expensive (checkpoints written, subprocess runs, reference models) stay on one
+# xdist worker (``--dist loadgroup``); the tests of every other file are spread over the workers one by one.
+_KEEP_TOGETHER = {"test_cache", "test_checkpoints", "test_ep", "test_infer", "test_loader", "test_model",
+                  "test_fla_kda", "test_transformers_kimi_linear"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        name = item.module.__name__.rsplit(".", 1)[-1]
+        if name in _KEEP_TOGETHER:
+            item.add_marker(pytest.mark.xdist_group(name))

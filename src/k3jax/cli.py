@@ -167,15 +167,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
     console.print(f"unigram entropy {r.unigram_entropy:.4f} nats/token (same unit, train split byte frequencies)")
     console.print(f"throughput {r.tokens_per_s:,.0f} tokens/s, MFU {r.mfu:.1%}; checkpoint in {r.out / 'checkpoints'}")
     console.print("plots: " + ", ".join(str(p) for p in r.plots))
-    prompt = "def "
-    text = greedy_sample(r.model, r.dataset.tokenizer, prompt, new_tokens=args.sample_tokens)
-    console.rule("[bold]greedy sample")
-    console.print(text, markup=False, highlight=False)
     from k3jax.infer.engine import Engine
 
+    prompt = "def "
+    engine = Engine(r.model, chunk=64)             # one engine: the sampled run reuses the greedy run's compiles
+    text = greedy_sample(r.model, r.dataset.tokenizer, prompt, new_tokens=args.sample_tokens, engine=engine)
+    console.rule("[bold]greedy sample")
+    console.print(text, markup=False, highlight=False)
     tok = r.dataset.tokenizer
-    res = Engine(r.model, chunk=64).generate([[tok.bos_id] + tok.encode(prompt)], args.sample_tokens,
-                                             temperature=0.8, top_p=0.95, seed=0, stop_tokens=[tok.eos_id])
+    res = engine.generate([[tok.bos_id] + tok.encode(prompt)], args.sample_tokens, temperature=0.8, top_p=0.95,
+                          seed=0, stop_tokens=[tok.eos_id])
     console.rule("[bold]sampled (temperature 0.8, top-p 0.95, seed 0)")
     console.print(prompt + tok.decode(res.tokens[0]), markup=False, highlight=False)
     console.print(f"generate: {res.stats['decode_steady_tokens_per_s']:.0f} tokens/s decode; try "

@@ -6,11 +6,13 @@ from k3jax.infer.engine import Engine
 from k3jax.nn.model import K3ForCausalLM
 
 
-def greedy_sample(model: K3ForCausalLM, tokenizer, prompt: str, new_tokens: int = 200, chunk: int = 64) -> str:
+def greedy_sample(model: K3ForCausalLM, tokenizer, prompt: str, new_tokens: int = 200, chunk: int = 64,
+                  engine: Engine | None = None) -> str:
     """``prompt`` and its greedy continuation (chunked prefill, cached decode; BOS first, EOS stops and is not
-    shown)."""
+    shown). Pass an ``engine`` to reuse its compiled steps."""
     ids = [tokenizer.bos_id] + tokenizer.encode(prompt)
-    res = Engine(model, chunk=chunk).generate([ids], new_tokens, stop_tokens=[tokenizer.eos_id])
+    engine = engine if engine is not None else Engine(model, chunk=chunk)
+    res = engine.generate([ids], new_tokens, stop_tokens=[tokenizer.eos_id])
     out = res.tokens[0]
     return prompt + tokenizer.decode(out[:-1] if out and out[-1] == tokenizer.eos_id else out)
 
