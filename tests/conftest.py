@@ -78,7 +78,8 @@ def jit_forward(model, input_ids, **kw):
 
 # Files whose module fixtures are expensive (checkpoints written, subprocess runs, reference models) stay on one
 # xdist worker (``--dist loadgroup``); the tests of every other file are spread over the workers one by one.
-_KEEP_TOGETHER = {"test_cache", "test_checkpoints", "test_ep", "test_infer", "test_loader", "test_model",
+# (test_ep groups only the two tests that share its 8-device training run; see there)
+_KEEP_TOGETHER = {"test_cache", "test_checkpoints", "test_infer", "test_loader", "test_model",
                   "test_fla_kda", "test_transformers_kimi_linear"}
 
 

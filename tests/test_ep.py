@@ -73,6 +73,7 @@ def train_results():
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("ep_train")          # shares train_results with the two-process test: one worker, one run
 def test_training_on_a_data2_expert4_mesh_follows_one_device(train_results):
     """10 steps of ``train`` (test preset, MoonEP) on mesh data=2,expert=4, and 6 on fsdp=2,expert=2,tensor=2
     (weights sharded by their logical-axes metadata), vs the same run on one device."""
@@ -95,6 +96,7 @@ def test_training_on_a_data2_expert4_mesh_follows_one_device(train_results):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("ep_train")
 def test_two_processes_equal_one_process(tmp_path, train_results):
     """jax.distributed on localhost, 2 processes × 4 CPU devices: the first 6 steps of the same run as one process ×
     8 devices."""
