@@ -24,9 +24,9 @@ def test_params_command_and_errors(capsys, tmp_path):
 
 @pytest.mark.slow
 def test_demo_trains_and_beats_unigram(capsys, tmp_path):
-    assert main(["demo", "--steps", "40", "--out", str(tmp_path / "demo"), "--sample-tokens", "20"]) == 0
+    assert main(["demo", "--steps", "30", "--out", str(tmp_path / "demo"), "--sample-tokens", "20"]) == 0
     out = capsys.readouterr().out
-    val = float(out.split("val loss ")[-1].split()[0])
+    val = float(out.split("val loss ")[-1].split()[0])           # 30 steps: 3.013 vs a 3.119 unigram (measured)
     uni = float(out.split("unigram entropy ")[-1].split()[0])
     assert val < uni
     assert (tmp_path / "demo" / "loss.png").exists() and (tmp_path / "demo" / "expert_load.png").exists()
