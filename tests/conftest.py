@@ -54,6 +54,21 @@ def pytest_unconfigure(config):
         shutil.rmtree(d, ignore_errors=True)
 
 
+def fla_naive_module():
+    """fla-core 0.6.0's naive KDA references (torch), loaded by file path (fla's package imports triton). fla and
+    torch are test dependencies (``pip install -e '.[test]'``, what ``make test`` installs): missing, it fails."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("fla")
+    if spec is None or importlib.util.find_spec("torch") is None:
+        pytest.fail("the oracle extra (fla-core==0.6.0, torch) is not installed: pip install -e '.[test]'")
+    path = Path(spec.submodule_search_locations[0]) / "ops" / "kda" / "naive.py"
+    mod_spec = importlib.util.spec_from_file_location("fla_kda_naive", path)
+    mod = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(mod)
+    return mod
+
+
 _FORWARDS: dict = {}
 
 

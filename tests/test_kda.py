@@ -2,7 +2,6 @@
 implementations by one conformance test, the benchmark variants (``benchmarks/kda_variants.py``) by a small one."""
 
 import functools
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import fla_naive_module
 from k3jax.ops.kda import causal_conv1d, kda_gate_lower_bound, kda_gate_softplus, kda_recurrent, kda_step
 from k3jax.ops.kda_chunked import KDA_CHUNKED_IMPLS, kda_chunked
 from k3jax.ops.norm import l2_norm
@@ -137,16 +137,7 @@ PRODUCTION = [("fused", 32), ("scan", 64)]   # (implementation, chunk): the CPU 
 
 @functools.cache
 def fla_naive():
-    """fla-core 0.6.0's naive KDA references (torch), loaded by file path (fla's package imports triton), or None
-    without the oracle extra."""
-    spec = importlib.util.find_spec("fla")
-    if spec is None or importlib.util.find_spec("torch") is None:
-        return None
-    path = Path(spec.submodule_search_locations[0]) / "ops" / "kda" / "naive.py"
-    mod_spec = importlib.util.spec_from_file_location("fla_kda_naive", path)
-    mod = importlib.util.module_from_spec(mod_spec)
-    mod_spec.loader.exec_module(mod)
-    return mod
+    return fla_naive_module()
 
 
 def fla_by_documents(fla, q, k, v, g, beta, s0, reset):
@@ -220,8 +211,6 @@ def test_chunked_implementation_conformance(impl, chunk, gate):
     assert got[0].shape == args[2].shape and got[1].shape == args[5].shape
     assert_matches(got, recurrent_reference(gate, T, B, H))
     fla = fla_naive()
-    if fla is None:
-        pytest.skip("matches kda_recurrent; fla's reference not installed (oracle extra): pip install -e '.[test]'")
     o_fla, s_fla = fla_by_documents(fla, *args, reset)
     assert rel(got[0], o_fla) <= 1e-5 and rel(got[1], s_fla) <= 1e-5
 

@@ -4,30 +4,21 @@ The registered chunked implementations meet fla's recurrence (document by docume
 ``tests/test_kda.py``'s conformance test; here the token scan, the decode step and the default chunked kernel
 against fla's chunked form."""
 
-import importlib.util
-from pathlib import Path
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import fla_naive_module
 from k3jax.ops.kda import kda_recurrent, kda_step
 from k3jax.ops.kda_chunked import kda_chunked
 
 pytestmark = pytest.mark.oracle
-torch = pytest.importorskip("torch", reason="oracle extra (torch) not installed: pip install -e '.[test]'")
+import torch  # noqa: E402  (a test dependency: make test installs it; missing, the file fails to import)
 
 
 @pytest.fixture(scope="module")
 def fla_naive():
-    spec = importlib.util.find_spec("fla")
-    if spec is None:
-        pytest.skip(reason="oracle extra fla-core==0.6.0 not installed: pip install -e '.[test]'")
-    path = Path(spec.submodule_search_locations[0]) / "ops" / "kda" / "naive.py"
-    mod_spec = importlib.util.spec_from_file_location("fla_kda_naive", path)
-    mod = importlib.util.module_from_spec(mod_spec)
-    mod_spec.loader.exec_module(mod)
-    return mod
+    return fla_naive_module()
 
 
 def inputs(seed, T, gate, init, B=2, H=3, K=32, V=24):
