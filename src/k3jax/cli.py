@@ -1,4 +1,4 @@
-"""``k3jax`` command line: ``demo``, ``train``, ``generate``, ``params``, ``inspect``, ``convert``, ``bench``."""
+"""``k3jax`` command line: ``demo``, ``train``, ``generate``, ``params``, ``inspect``, ``convert``, ``serve``, ``bench``."""
 
 from __future__ import annotations
 
@@ -249,6 +249,48 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import logging
+
+    from k3jax.io.export import parse_size
+    from k3jax.serve.server import build_server
+
+    logging.getLogger("absl").setLevel(logging.ERROR)
+    handler = logging.StreamHandler(sys.stderr)       # k3jax's own lines (one per request), whatever absl set up
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S"))
+    k3log = logging.getLogger("k3jax")
+    k3log.addHandler(handler)
+    k3log.setLevel(logging.INFO)
+    k3log.propagate = False
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        console.print(f"[yellow]warning: binding to {args.host}: the server has no authentication")
+    mem = None
+    if args.kv_cache_memory is not None:
+        try:
+            mem = parse_size(args.kv_cache_memory)
+        except ValueError:
+            raise ValueError(f"--kv-cache-memory: expected bytes or a size like '512MiB', got "
+                             f"{args.kv_cache_memory!r}") from None
+    console.rule(f"[bold]k3jax serve {args.model}")
+    srv = build_server(args.model, host=args.host, port=args.port, max_slots=args.max_slots,
+                       max_model_len=args.max_model_len, kv_cache_memory=mem, chunk=args.chunk,
+                       page_size=args.page_size, max_queue=args.max_queue, served_model_name=args.served_model_name,
+                       dtype=args.dtype, default_max_tokens=args.default_max_tokens,
+                       say=lambda m: console.print(m, highlight=False, soft_wrap=True))
+    import signal
+
+    # uvicorn drains on SIGTERM / Ctrl-C and then re-raises the signal: exit 0 after a clean drain instead
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        srv.run(on_ready=lambda: console.print(
+        f"[bold green]ready[/bold green] on {srv.url} (model {srv.model_name!r}; started in {srv.startup_s:.1f} s) "
+        f"— OpenAI API at {srv.url}/v1, metrics at {srv.url}/metrics", highlight=False, soft_wrap=True))
+    except KeyboardInterrupt:
+        pass
+    console.print("k3jax serve: stopped", highlight=False)
+    return 0
+
+
 def source_checkout() -> Path | None:
     """The root of the source checkout this package runs from (``src/k3jax`` beside ``benchmarks/run.py`` and
     ``pyproject.toml``), or ``None`` for an installed package."""
@@ -362,6 +404,25 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--expert-dtype", choices=["bfloat16", "float32", "mxfp4"], default=None,
                    help="how to hold routed experts while converting (default: as stored)")
     c.set_defaults(fn=cmd_convert)
+    s = sub.add_parser("serve", help="OpenAI-compatible server: continuous batching over a static slot pool, paged "
+                       "MLA cache")
+    s.add_argument("--model", required=True, help="preset name (random weights), k3jax train run directory, Orbax "
+                   "export or release checkpoint directory")
+    s.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
+    s.add_argument("--port", type=int, default=8000, help="port (0: a free one)")
+    s.add_argument("--max-slots", type=int, default=8, help="decode slots: sequences decoded together (default 8)")
+    s.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + generation (default min(max_position_embeddings, 8192))")
+    s.add_argument("--kv-cache-memory", default=None, metavar="BYTES",
+                   help="bytes of MLA latent page pool, e.g. 256MiB (default: every slot at max-model-len)")
+    s.add_argument("--chunk", type=int, default=256, help="largest prefill chunk (buckets chunk, chunk/4, chunk/16)")
+    s.add_argument("--page-size", type=int, default=64, help="tokens per MLA cache page (default 64)")
+    s.add_argument("--max-queue", type=int, default=256, help="waiting requests before 429 (default 256)")
+    s.add_argument("--served-model-name", default=None, help="the model id clients send (default: the path's name)")
+    s.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens when a request gives none")
+    s.add_argument("--dtype", default=None, help="compute dtype override (float32, bfloat16)")
+    s.set_defaults(fn=cmd_serve)
+
     sub.add_parser("bench", help="run the benchmarks of a source checkout: k3jax bench [names…] [--list] [--quick] "
                    "[--json OUT] [--save] (= python -m benchmarks.run …)")
     args = p.parse_args(argv)

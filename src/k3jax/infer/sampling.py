@@ -41,3 +41,14 @@ def sample_next(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_k
     x = jnp.where((x >= kth[:, None]) & (x >= pth[:, None]), x, -jnp.inf)
     drawn = jax.random.categorical(key, x, axis=-1).astype(jnp.int32)
     return jnp.where(temperature > 0, drawn, greedy)
+
+
+def sample_rows(logits: jax.Array, seeds: jax.Array, counters: jax.Array, temperature: jax.Array,
+                top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Per-row settings: ``logits [B, V]``, ``seeds [B]`` uint32, ``counters [B]`` int32 (tokens the row has
+    drawn), ``temperature``/``top_k``/``top_p [B]`` → ids ``[B]`` int32. Row b draws with
+    ``fold_in(key(seeds[b]), counters[b])``, so a seeded sequence gives the same tokens whatever shares its batch."""
+    def one(lg, s, c, t, k, p):
+        return sample_next(lg[None], jax.random.fold_in(jax.random.key(s), c), t, k, p)[0]
+
+    return jax.vmap(one)(logits, seeds, counters, temperature, top_k, top_p)

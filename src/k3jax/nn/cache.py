@@ -4,7 +4,10 @@
   the short-conv windows ``conv_q, conv_k, conv_v [B, W−1, H·K]`` (the last W−1 projected inputs).
 * :class:`MLACache` — one per MLA layer: the normalised latent ``c_kv [B, L, kv_lora_rank]`` and the raw shared
   key part ``k_r [B, L, qk_rope_head_dim]``, preallocated to ``L`` tokens. The layer reaches it only through
-  :meth:`MLACache.append` and :meth:`MLACache.attend`, so a paged layout can replace it behind the same methods.
+  :meth:`MLACache.append` and :meth:`MLACache.attend`, so the paged layout replaces it behind the same methods.
+* :class:`PagedMLACache` — the same content in a pool of fixed-size pages shared by every slot
+  (``c_kv [P, page, R]``, ``k_r [P, page, Dr]``) and a page table ``[B, max_pages]`` per slot (the server's layout:
+  memory follows the tokens held, not ``B × L``).
 * :class:`Cache` — the model's: ``layers`` (one of the above per decoder layer) and ``lengths [B]`` int32, the
   tokens each slot holds (the position of its next token). AttnRes mixes blocks of one token only: no cache.
 
@@ -21,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from k3jax.config import K3Config
-from k3jax.ops.attention import mla_latent_attention
+from k3jax.ops.attention import mla_latent_attention, mla_paged_latent_attention
 
 
 def _slot_ids(slots) -> jax.Array:
@@ -98,40 +101,168 @@ class MLACache(_SlotRows):
         return mla_latent_attention(q_latent, q_rope, self.c_kv, self.k_r, q_pos, kv_len, scale)
 
 
-LayerCache = Union[KDACache, MLACache]
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedMLACache:
+    """A paged MLA latent cache: pages ``c_kv [P, page, R]``, ``k_r [P, page, Dr]`` shared by all slots, and
+    ``page_table [B, max_pages]`` int32 (token τ of slot b at ``page_table[b, τ // page]``, offset ``τ % page``).
+
+    Slot operations act on page-table rows; the pool is shared, so :meth:`read_slots` views the same pool and
+    :meth:`write_slots` takes the pool from the rows written (what a one-slot prefill wrote into it). Which pages
+    a slot owns is the allocator's business (:class:`k3jax.infer.scheduler.PageAllocator`)."""
+
+    c_kv: jax.Array
+    k_r: jax.Array
+    page_table: jax.Array
+
+    @property
+    def page_size(self) -> int:
+        return self.c_kv.shape[1]
+
+    @property
+    def num_pages(self) -> int:
+        return self.c_kv.shape[0]
+
+    @property
+    def capacity(self) -> int:
+        """Tokens one slot can address (``max_pages × page``)."""
+        return self.page_table.shape[1] * self.page_size
+
+    @property
+    def batch(self) -> int:
+        return self.page_table.shape[0]
+
+    def with_page_table(self, page_table: jax.Array) -> "PagedMLACache":
+        return PagedMLACache(self.c_kv, self.k_r, jnp.asarray(page_table, jnp.int32))
+
+    def read_slots(self, slots) -> "PagedMLACache":
+        return PagedMLACache(self.c_kv, self.k_r, self.page_table[_slot_ids(slots)])
+
+    def write_slots(self, slots, rows: "PagedMLACache") -> "PagedMLACache":
+        return PagedMLACache(rows.c_kv, rows.k_r, self.page_table.at[_slot_ids(slots)].set(rows.page_table))
+
+    def reset_slots(self, slots) -> "PagedMLACache":
+        """Nothing to clear: a slot's tokens are masked by its length, its pages are handed out again."""
+        return self
+
+    def copy_slot(self, src, dst) -> "PagedMLACache":
+        """Slot ``dst`` addresses the pages of ``src`` (shared, not copied)."""
+        return self.write_slots(dst, self.read_slots(src))
+
+    def append(self, c_kv: jax.Array, k_r: jax.Array, pos: jax.Array, n_new: jax.Array) -> "PagedMLACache":
+        """Scatter the first ``n_new[b]`` tokens of ``c_kv [B, T, R]``, ``k_r [B, T, Dr]`` to positions
+        ``pos[b] + t`` through the page table; padding tokens are dropped (their index points past the pool)."""
+        B, T, _ = c_kv.shape
+        P, page = self.num_pages, self.page_size
+        tpos = pos[:, None] + jnp.arange(T, dtype=pos.dtype)[None, :]                   # [B, T]
+        slot_page = jnp.take_along_axis(self.page_table, jnp.clip(tpos // page, 0, self.page_table.shape[1] - 1),
+                                        axis=1)
+        valid = jnp.arange(T)[None, :] < n_new[:, None]
+        flat = jnp.where(valid, slot_page * page + tpos % page, P * page).reshape(-1)   # out of range → dropped
+
+        def put(pool, new):
+            rows = pool.reshape(P * page, -1).at[flat].set(new.reshape(B * T, -1).astype(pool.dtype), mode="drop")
+            return rows.reshape(pool.shape)
+
+        return PagedMLACache(put(self.c_kv, c_kv), put(self.k_r, k_r), self.page_table)
+
+    def attend(self, q_latent: jax.Array, q_rope: jax.Array, q_pos: jax.Array, kv_len: jax.Array,
+               scale: float) -> jax.Array:
+        return mla_paged_latent_attention(q_latent, q_rope, self.c_kv, self.k_r, self.page_table, q_pos, kv_len,
+                                          scale)
+
+
+LayerCache = Union[KDACache, MLACache, PagedMLACache]
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class Cache(_SlotRows):
-    layers: tuple            # one KDACache / MLACache per decoder layer
+class Cache:
+    layers: tuple            # one KDACache / MLACache / PagedMLACache per decoder layer
     lengths: jax.Array       # [B] int32: tokens held per slot
+
+    def read_slots(self, slots) -> "Cache":
+        """The rows ``slots`` (int or ``[n]``) as a cache of batch ``n``."""
+        idx = _slot_ids(slots)
+        return Cache(tuple(c.read_slots(idx) for c in self.layers), self.lengths[idx])
+
+    def write_slots(self, slots, rows: "Cache") -> "Cache":
+        """This cache with rows ``slots`` replaced by the batch of ``rows`` (same layout, batch ``n``)."""
+        idx = _slot_ids(slots)
+        return Cache(tuple(c.write_slots(idx, r) for c, r in zip(self.layers, rows.layers)),
+                     self.lengths.at[idx].set(rows.lengths))
+
+    def reset_slots(self, slots) -> "Cache":
+        """This cache with rows ``slots`` emptied (zero state, windows and length)."""
+        idx = _slot_ids(slots)
+        return Cache(tuple(c.reset_slots(idx) for c in self.layers), self.lengths.at[idx].set(0))
+
+    def copy_slot(self, src, dst) -> "Cache":
+        """This cache with slot ``dst`` a copy of slot ``src``."""
+        return self.write_slots(dst, self.read_slots(src))
+
+    @property
+    def batch(self) -> int:
+        return self.lengths.shape[0]
+
+    def with_page_table(self, page_table: jax.Array) -> "Cache":
+        """Every paged MLA layer addressing ``page_table [B, max_pages]`` (one table for all layers)."""
+        return Cache(tuple(c.with_page_table(page_table) if isinstance(c, PagedMLACache) else c
+                           for c in self.layers), self.lengths)
 
     def advance(self, layers: tuple, n_new: jax.Array) -> "Cache":
         return Cache(tuple(layers), self.lengths + n_new.astype(self.lengths.dtype))
 
     @property
     def capacity(self) -> int:
-        """Token capacity of the MLA caches (0 for a model without MLA layers)."""
-        return next((c.capacity for c in self.layers if isinstance(c, MLACache)), 0)
+        """Token capacity of one slot's MLA caches (0 for a model without MLA layers)."""
+        return next((c.capacity for c in self.layers if isinstance(c, (MLACache, PagedMLACache))), 0)
 
 
 def init_cache(cfg: K3Config, batch: int, max_len: int) -> Cache:
     """Empty caches for ``batch`` slots of up to ``max_len`` tokens each (KDA state fp32, the rest in the
     activation dtype)."""
     dt = jnp.dtype(cfg.dtype)
-    f32 = jnp.promote_types(dt, jnp.float32)
-    layers = []
-    for kind in cfg.layer_types:
-        if kind == "kda":
-            lac = cfg.linear_attn_config
-            H, D, W = lac.num_heads, lac.head_dim, lac.short_conv_kernel_size
-            win = lambda: jnp.zeros((batch, W - 1, H * D), dt)  # noqa: E731
-            layers.append(KDACache(jnp.zeros((batch, H, D, D), f32), win(), win(), win()))
-        else:
-            layers.append(MLACache(jnp.zeros((batch, max_len, cfg.kv_lora_rank), dt),
-                                   jnp.zeros((batch, max_len, cfg.qk_rope_head_dim), dt)))
+    layers = [_kda_layer_cache(cfg, batch) if kind == "kda" else
+              MLACache(jnp.zeros((batch, max_len, cfg.kv_lora_rank), dt),
+                       jnp.zeros((batch, max_len, cfg.qk_rope_head_dim), dt))
+              for kind in cfg.layer_types]
     return Cache(tuple(layers), jnp.zeros((batch,), jnp.int32))
+
+
+def _kda_layer_cache(cfg: K3Config, batch: int) -> KDACache:
+    dt = jnp.dtype(cfg.dtype)
+    lac = cfg.linear_attn_config
+    H, D, W = lac.num_heads, lac.head_dim, lac.short_conv_kernel_size
+    win = lambda: jnp.zeros((batch, W - 1, H * D), dt)  # noqa: E731
+    return KDACache(jnp.zeros((batch, H, D, D), jnp.promote_types(dt, jnp.float32)), win(), win(), win())
+
+
+def init_paged_cache(cfg: K3Config, slots: int, num_pages: int, page_size: int, max_len: int) -> Cache:
+    """Caches for a slot pool: KDA state and conv windows per slot, and per MLA layer a pool of ``num_pages``
+    pages of ``page_size`` tokens with a page table of ``ceil(max_len / page_size)`` entries per slot (all zero:
+    the allocator fills it)."""
+    dt = jnp.dtype(cfg.dtype)
+    max_pages = -(-max_len // page_size)
+    table = jnp.zeros((slots, max_pages), jnp.int32)
+    layers = [_kda_layer_cache(cfg, slots) if kind == "kda" else
+              PagedMLACache(jnp.zeros((num_pages, page_size, cfg.kv_lora_rank), dt),
+                            jnp.zeros((num_pages, page_size, cfg.qk_rope_head_dim), dt), table)
+              for kind in cfg.layer_types]
+    return Cache(tuple(layers), jnp.zeros((slots,), jnp.int32))
+
+
+def page_bytes(cfg: K3Config) -> int:
+    """Bytes of one token of MLA latent cache over all MLA layers (``(kv_lora_rank + qk_rope_head_dim)`` values
+    per MLA layer)."""
+    n_mla = sum(1 for k in cfg.layer_types if k != "kda")
+    return n_mla * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * jnp.dtype(cfg.dtype).itemsize
+
+
+def slot_state_bytes(cfg: K3Config) -> int:
+    """Bytes of one slot's constant-size KDA part (recurrent state fp32 + conv windows) over all KDA layers."""
+    c = _kda_layer_cache(cfg, 1)
+    return sum(1 for k in cfg.layer_types if k == "kda") * sum(x.nbytes for x in jax.tree.leaves(c))
 
 
 def cache_bytes(cache: Cache, context: int | None = None) -> dict[str, int]:
@@ -143,6 +274,9 @@ def cache_bytes(cache: Cache, context: int | None = None) -> dict[str, int]:
         if isinstance(c, KDACache):
             res["kda_recurrent_state"] += c.state.nbytes // B
             res["kda_conv_state"] += sum(x.nbytes for x in c.windows) // B
+        elif isinstance(c, PagedMLACache):
+            per_tok = sum(x.nbytes // (c.num_pages * c.page_size) for x in (c.c_kv, c.k_r))
+            res["mla_latent_cache"] += per_tok * (c.capacity if context is None else context)
         else:
             per_tok = sum(x.nbytes // (B * x.shape[1]) for x in (c.c_kv, c.k_r))
             res["mla_latent_cache"] += per_tok * (c.capacity if context is None else context)

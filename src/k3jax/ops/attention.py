@@ -35,34 +35,16 @@ def mla_attention(q_nope: jax.Array, q_rope: jax.Array, k_nope: jax.Array, k_rop
     return o.astype(v.dtype)
 
 
-def mla_latent_attention(q_latent: jax.Array, q_rope: jax.Array, c_kv: jax.Array, k_rope: jax.Array,
-                         q_pos: jax.Array, kv_len: jax.Array, scale: float, block: int = 512) -> jax.Array:
-    """MLA in absorbed form over a latent cache, blockwise with an online softmax (never a full score matrix).
-
-    With ``k_n = c_kv W_kᵀ`` and ``v = c_kv W_v`` per head, ``q_n·k_n = (q_n W_k)·c_kv``, so the queries are
-    brought into the latent space once (``q_latent = q_n W_k``, per head) and keys/values are never expanded:
-    ``s = (q_latent·c_kv + q_r·k_r) · scale``, ``o_latent = softmax(s) c_kv``; the caller applies ``W_v``.
-
-    ``q_latent [B, T, N, R]``, ``q_rope [B, T, N, Dr]``, cache ``c_kv [B, L, R]``, ``k_rope [B, L, Dr]``;
-    ``q_pos [B, T]`` each query's position (it sees keys ``τ ≤ q_pos``), ``kv_len [B]`` filled cache length
-    (keys ``τ ≥ kv_len`` are masked). Key blocks of ``block`` (dividing L) are visited only up to ``max(kv_len)``,
-    so the work grows with the context actually used, not the cache's bucket. Returns ``o_latent [B, T, N, R]``
-    fp32; peak extra memory ``B·T·N·block`` scores.
-    """
-    B, L, R = c_kv.shape
-    T, N = q_latent.shape[1], q_latent.shape[2]
-    if L % block:
-        block = L
+def _online_softmax_latent(ql, qr, fetch, n_blocks, block, q_pos, kv_len):
+    """The blockwise online-softmax loop shared by the contiguous and the paged latent attention: ``fetch(j)``
+    returns key block j as ``(c [B, block, R], k_r [B, block, Dr])`` fp32 (keys ``j·block …``)."""
+    B, T, N, R = ql.shape
     f32 = jnp.float32
-    ql = q_latent.astype(f32) * scale
-    qr = q_rope.astype(f32) * scale
-    n_blocks = (jnp.max(kv_len) + block - 1) // block
 
     def body(j, carry):
         m, l, acc = carry
         start = j * block
-        c = jax.lax.dynamic_slice_in_dim(c_kv, start, block, axis=1).astype(f32)       # [B, blk, R]
-        kr = jax.lax.dynamic_slice_in_dim(k_rope, start, block, axis=1).astype(f32)
+        c, kr = fetch(j)
         s = jnp.einsum("btnr,bsr->btns", ql, c, precision=HIGHEST)
         if qr.shape[-1]:
             s = s + jnp.einsum("btnd,bsd->btns", qr, kr, precision=HIGHEST)
@@ -80,3 +62,68 @@ def mla_latent_attention(q_latent: jax.Array, q_rope: jax.Array, c_kv: jax.Array
     init = (jnp.full((B, T, N), -jnp.inf, f32), jnp.zeros((B, T, N), f32), jnp.zeros((B, T, N, R), f32))
     _, l, acc = jax.lax.fori_loop(0, n_blocks, body, init)
     return acc / jnp.maximum(l, 1e-30)[..., None]
+
+
+def mla_latent_attention(q_latent: jax.Array, q_rope: jax.Array, c_kv: jax.Array, k_rope: jax.Array,
+                         q_pos: jax.Array, kv_len: jax.Array, scale: float, block: int = 512) -> jax.Array:
+    """MLA in absorbed form over a latent cache, blockwise with an online softmax (never a full score matrix).
+
+    With ``k_n = c_kv W_kᵀ`` and ``v = c_kv W_v`` per head, ``q_n·k_n = (q_n W_k)·c_kv``, so the queries are
+    brought into the latent space once (``q_latent = q_n W_k``, per head) and keys/values are never expanded:
+    ``s = (q_latent·c_kv + q_r·k_r) · scale``, ``o_latent = softmax(s) c_kv``; the caller applies ``W_v``.
+
+    ``q_latent [B, T, N, R]``, ``q_rope [B, T, N, Dr]``, cache ``c_kv [B, L, R]``, ``k_rope [B, L, Dr]``;
+    ``q_pos [B, T]`` each query's position (it sees keys ``τ ≤ q_pos``), ``kv_len [B]`` filled cache length
+    (keys ``τ ≥ kv_len`` are masked). Key blocks of ``block`` (dividing L) are visited only up to ``max(kv_len)``,
+    so the work grows with the context actually used, not the cache's bucket. Returns ``o_latent [B, T, N, R]``
+    fp32; peak extra memory ``B·T·N·block`` scores.
+    """
+    L = c_kv.shape[1]
+    if L % block:
+        block = L
+    f32 = jnp.float32
+
+    def fetch(j):
+        c = jax.lax.dynamic_slice_in_dim(c_kv, j * block, block, axis=1).astype(f32)       # [B, blk, R]
+        return c, jax.lax.dynamic_slice_in_dim(k_rope, j * block, block, axis=1).astype(f32)
+
+    n_blocks = (jnp.max(kv_len) + block - 1) // block
+    return _online_softmax_latent(q_latent.astype(f32) * scale, q_rope.astype(f32) * scale, fetch, n_blocks,
+                                  block, q_pos, kv_len)
+
+
+def paged_block_pages(max_pages: int, page_size: int, block: int = 512) -> int:
+    """Pages per attention block: the most pages (dividing ``max_pages``) whose tokens fit in ``block``."""
+    best = 1
+    for d in range(1, max_pages + 1):
+        if max_pages % d == 0 and d * page_size <= max(block, page_size):
+            best = d
+    return best
+
+
+def mla_paged_latent_attention(q_latent: jax.Array, q_rope: jax.Array, pool_c_kv: jax.Array, pool_k_rope: jax.Array,
+                               page_table: jax.Array, q_pos: jax.Array, kv_len: jax.Array, scale: float,
+                               block: int = 512) -> jax.Array:
+    """:func:`mla_latent_attention` over a **paged** latent cache.
+
+    The cache is a pool of fixed-size pages ``pool_c_kv [P, page, R]``, ``pool_k_rope [P, page, Dr]`` shared by all
+    sequences; ``page_table [B, max_pages]`` int32 lists row b's pages in order (token τ of row b lives at
+    ``pool[page_table[b, τ // page], τ % page]``; entries past the sequence may name any page, they are masked).
+    Each key block gathers only its pages, so memory traffic follows the used context. Returns
+    ``o_latent [B, T, N, R]`` fp32.
+    """
+    _, page, _ = pool_c_kv.shape
+    max_pages = page_table.shape[1]
+    ppb = paged_block_pages(max_pages, page, block)
+    blk = ppb * page
+    B = page_table.shape[0]
+    f32 = jnp.float32
+
+    def fetch(j):
+        pages = jax.lax.dynamic_slice_in_dim(page_table, j * ppb, ppb, axis=1)              # [B, ppb]
+        c = pool_c_kv[pages].reshape(B, blk, -1).astype(f32)
+        return c, pool_k_rope[pages].reshape(B, blk, -1).astype(f32)
+
+    n_blocks = (jnp.max(kv_len) + blk - 1) // blk
+    return _online_softmax_latent(q_latent.astype(f32) * scale, q_rope.astype(f32) * scale, fetch, n_blocks,
+                                  blk, q_pos, kv_len)

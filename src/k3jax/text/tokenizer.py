@@ -1,8 +1,11 @@
 """Tokenizers, shared by training and inference: bytes, a Hugging Face ``tokenizer.json``, and the release's own
 tiktoken BPE (``tiktoken.model`` + special tokens from ``tokenizer_config.json``), all offline.
 
-Every tokenizer has ``name``, ``vocab_size``, ``bos_id``, ``eos_id``, ``pad_id``, ``encode(text) -> list[int]`` and
-``decode(ids) -> str``. :func:`load_tokenizer` turns a spec (``"bytes"``, a file or a directory) into one.
+Every tokenizer has ``name``, ``vocab_size``, ``bos_id``, ``eos_id``, ``pad_id``, ``encode(text) -> list[int]``
+(special tokens typed in the text are recognised), ``encode_ordinary(text) -> list[int]`` (they are not: a typed
+``<|open|>`` becomes ordinary ids — what a chat renderer needs for message text, see :mod:`k3jax.text.chat`),
+``special_id(name) -> int | None`` and ``decode(ids) -> str``. :func:`load_tokenizer` turns a spec (``"bytes"``, a
+file or a directory) into one.
 """
 
 from __future__ import annotations
@@ -25,6 +28,14 @@ class ByteTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        """The same as :meth:`encode`: bytes have no special tokens to recognise."""
+        return self.encode(text)
+
+    def special_id(self, name: str) -> int | None:
+        """Always ``None``: the byte vocabulary names no special tokens (BOS/EOS/PAD are ids, not texts)."""
+        return None
 
     def decode(self, ids) -> str:
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
@@ -55,6 +66,15 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        """Best effort: no BOS/EOS template tokens are added, but the ``tokenizers`` library still matches the
+        file's *added tokens* inside the text, so a typed added token can become its id here."""
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def special_id(self, name: str) -> int | None:
+        """The id of the vocabulary entry (added token or not) spelled ``name``, else ``None``."""
+        return self.tok.token_to_id(name)
 
     def decode(self, ids) -> str:
         return self.tok.decode([int(i) for i in ids])
@@ -139,6 +159,14 @@ class TiktokenTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self.enc.encode(text, allowed_special="all")
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        """``text`` with no special token recognised: a typed ``<|open|>`` is BPE-encoded like any other text."""
+        return self.enc.encode(text, disallowed_special=())
+
+    def special_id(self, name: str) -> int | None:
+        """The id of the special token spelled ``name`` (``tokenizer_config.json``'s or a reserved one), else None."""
+        return self.specials.get(name)
 
     def decode(self, ids) -> str:
         return self.enc.decode([int(i) for i in ids])

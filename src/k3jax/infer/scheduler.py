@@ -1,0 +1,608 @@
+"""Continuous batching over a static slot pool, with a paged MLA latent cache — the engine behind ``k3jax serve``.
+
+* **Slots.** ``max_slots`` decode slots, fixed. A slot holds one sequence's KDA state and conv windows (constant
+  size) and a row of the page table. One jitted decode step runs every slot (idle ones masked: ``n_new = 0``
+  leaves their state, windows and pages untouched), compiled once.
+* **Pages.** Each MLA layer keeps its latent cache in a pool of ``num_pages`` pages of ``page_size`` tokens,
+  shared by all slots (:class:`~k3jax.nn.cache.PagedMLACache`). A request is admitted when a slot is free and
+  the pages for its prompt are; decode takes one more page each time a sequence crosses a page boundary. When none
+  is free, the most recently admitted running request is **preempted**: its slot and pages are freed and it goes
+  back to the head of the queue with its prompt and the tokens generated so far, to be recomputed (its stream
+  continues where it stopped; nothing already sent is repeated).
+* **Steps.** Each step runs at most one prefill chunk (the oldest admitted prompt; chunk lengths come from a few
+  static buckets, sized to the step's token budget left after the decode tokens) and then one decode step over
+  all slots, so a long prompt never stalls the running streams. A request joins at the next step and leaves the
+  moment it stops (its slot and pages are free for the next step).
+* **Nothing recompiles while serving**: :meth:`Scheduler.warmup` compiles every prefill bucket and the decode
+  step; ``compiles`` in :meth:`Scheduler.snapshot` counts traces.
+
+Python API: ``sched = Scheduler(model, max_slots=8, …); sched.start()``; ``req = sched.submit(ids, SamplingParams(
+max_tokens=64))``; ``for ev in req.stream(): …``; ``sched.cancel(req)``; ``sched.close()``. Events are
+:class:`TokenEvent`; a callback given to :meth:`Scheduler.submit` receives them on the scheduler thread instead.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import queue
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from k3jax.infer.sampling import SamplingError, sample_rows
+from k3jax.nn.cache import Cache, KDACache, init_paged_cache, page_bytes, slot_state_bytes
+from k3jax.nn.model import K3ForCausalLM
+
+log = logging.getLogger("k3jax.scheduler")
+
+
+class RequestError(ValueError):
+    """A request the scheduler cannot take (bad ids, too long, bad sampling values); ``field`` names the input."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue is at ``max_queue``; retry after ``retry_after`` seconds."""
+
+    def __init__(self, message: str, retry_after: float = 1.0):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What one request asks for. ``temperature`` 0 = greedy; ``top_k`` None/0 = all; ``top_p`` 1 = all;
+    ``seed`` None = a fresh random seed; ``stop_token_ids`` end the sequence (the stop token is reported);
+    ``ignore_eos`` drops the model's end-of-sequence ids from the stop set."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def check(self) -> None:
+        def bad(name, want, got):
+            raise RequestError(f"{name}: expected {want}, got {got!r}", name)
+
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            bad("max_tokens", "an integer ≥ 1", self.max_tokens)
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (0 <= t < float("inf")):
+            bad("temperature", "a number ≥ 0 (0 = greedy)", t)
+        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int)
+                                       or self.top_k < 0):
+            bad("top_k", "an integer ≥ 0 (0 or -1 = all) or null", self.top_k)
+        if self.top_p is not None and (isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float))
+                                       or not 0 < self.top_p <= 1):
+            bad("top_p", "a number in (0, 1]", self.top_p)
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed < 2 ** 32):
+            bad("seed", "an integer in [0, 2^32)", self.seed)
+
+
+@dataclass
+class TokenEvent:
+    """New tokens of one request; the last event has ``finished`` set and ``finish_reason`` in ``stop`` (a stop
+    token), ``length`` (max_tokens or max_model_len), ``abort`` (cancelled / shut down) or ``error``."""
+
+    request_id: str
+    tokens: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+    time: float = 0.0
+
+
+_WAITING, _PREFILL, _DECODE, _DONE = "waiting", "prefill", "decode", "done"
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence in the scheduler. ``tokens``: generated so far; ``prompt_tokens``: its prompt length."""
+
+    id: str
+    prompt: list[int]
+    params: SamplingParams
+    stops: frozenset
+    seed: int
+    callback: Callable[[TokenEvent], None] | None = None
+    tokens: list[int] = field(default_factory=list)
+    state: str = _WAITING
+    slot: int = -1
+    pages: list[int] = field(default_factory=list)
+    computed: int = 0                   # tokens of `sequence` already in the cache
+    sequence: list[int] = field(default_factory=list)   # what prefill runs: prompt (+ generated, after preemption)
+    admitted: int = -1                  # admission order (the newest running request is preempted first)
+    preemptions: int = 0
+    arrival: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    cancelled: bool = False
+    _q: queue.Queue | None = None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt)
+
+    @property
+    def finished(self) -> bool:
+        return self.state == _DONE
+
+    def stream(self, timeout: float | None = None) -> Iterator[TokenEvent]:
+        """The request's events until the last one (only for requests submitted without a callback)."""
+        if self._q is None:
+            raise RuntimeError("stream(): this request was submitted with a callback; events go there")
+        while True:
+            ev = self._q.get(timeout=timeout)
+            yield ev
+            if ev.finished:
+                return
+
+    def result(self, timeout: float | None = None) -> list[int]:
+        """Block until finished; the generated token ids."""
+        for _ in self.stream(timeout):
+            pass
+        return list(self.tokens)
+
+
+class PageAllocator:
+    """Free list of ``num_pages`` page ids."""
+
+    def __init__(self, num_pages: int):
+        self.num_pages = num_pages
+        self._free = collections.deque(range(num_pages))
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int) -> list[int] | None:
+        if n > len(self._free):
+            return None
+        return [self._free.popleft() for _ in range(n)]
+
+    def release(self, pages: Sequence[int]) -> None:
+        self._free.extend(pages)
+
+
+def _dev(a: np.ndarray) -> jax.Array:
+    """A device copy of a host array the scheduler goes on mutating. ``jnp.asarray`` may alias numpy memory on
+    CPU, and the step it feeds runs asynchronously: an in-place host update would race with it."""
+    return jnp.array(a, copy=True)
+
+
+def prefill_buckets(chunk: int) -> tuple[int, ...]:
+    """The static prefill chunk lengths: ``chunk``, ``chunk/4``, ``chunk/16`` (those ≥ 16, multiples of 16)."""
+    out = {chunk}
+    for d in (4, 16):
+        c = chunk // d
+        if c >= 16 and c % 16 == 0:
+            out.add(c)
+    return tuple(sorted(out))
+
+
+class Scheduler:
+    """Continuous batching for a :class:`K3ForCausalLM` (see the module docstring).
+
+    ``max_slots`` decode slots; ``max_model_len`` longest prompt + generation; ``page_size`` tokens per MLA page;
+    ``num_pages`` pool size (default: enough for every slot at ``max_model_len``; or from ``kv_cache_memory`` bytes
+    of MLA latent cache); ``chunk`` the largest prefill chunk; ``max_step_tokens`` the per-step token budget
+    (decode tokens + one prefill chunk; default ``chunk + max_slots``); ``max_queue`` waiting requests before
+    :class:`QueueFull`."""
+
+    def __init__(self, model: K3ForCausalLM, *, max_slots: int = 8, max_model_len: int | None = None,
+                 page_size: int = 64, num_pages: int | None = None, kv_cache_memory: int | None = None,
+                 chunk: int = 256, max_step_tokens: int | None = None, max_queue: int = 256,
+                 eos_token_ids: Sequence[int] | None = None):
+        cfg = model.config
+        self.model, self.cfg = model, cfg
+        self.max_slots = int(max_slots)
+        if self.max_slots < 1:
+            raise ValueError(f"max_slots: expected ≥ 1, got {max_slots}")
+        if chunk < 16 or chunk % 16:
+            raise ValueError(f"chunk: expected a multiple of 16 (KDA's tile), got {chunk}")
+        if page_size < 1:
+            raise ValueError(f"page_size: expected ≥ 1, got {page_size}")
+        self.max_model_len = int(max_model_len or min(cfg.max_position_embeddings, 8192))
+        if self.max_model_len > cfg.max_position_embeddings:
+            raise ValueError(f"max_model_len: {self.max_model_len} exceeds the model's max_position_embeddings "
+                             f"{cfg.max_position_embeddings}")
+        self.page_size = int(page_size)
+        self.max_pages = -(-self.max_model_len // self.page_size)
+        self.token_bytes = page_bytes(cfg)
+        if num_pages is None and kv_cache_memory is not None:
+            num_pages = int(kv_cache_memory) // max(1, self.token_bytes * self.page_size)
+            if num_pages < 1:
+                raise ValueError(f"kv_cache_memory: {kv_cache_memory} bytes is less than one page "
+                                 f"({self.token_bytes * self.page_size} bytes = {self.page_size} tokens × "
+                                 f"{self.token_bytes} bytes of MLA latent per token)")
+        self.num_pages = int(num_pages if num_pages is not None else self.max_slots * self.max_pages)
+        if self.num_pages < 1:
+            raise ValueError(f"num_pages: expected ≥ 1, got {self.num_pages}")
+        self.chunk = int(chunk)
+        self.buckets = prefill_buckets(self.chunk)
+        self.max_step_tokens = int(max_step_tokens or self.chunk + self.max_slots)
+        self.max_queue = int(max_queue)
+        eos = cfg.eos_token_id if eos_token_ids is None else eos_token_ids
+        self.eos_ids = frozenset([] if eos is None else ([eos] if isinstance(eos, int) else list(eos)))
+
+        self.graphdef, self.state = nnx.split(model)
+        self.cache: Cache = init_paged_cache(cfg, self.max_slots, self.num_pages, self.page_size,
+                                             self.max_model_len)
+        self.table = np.zeros((self.max_slots, self.max_pages), np.int32)
+        self.lengths = np.zeros(self.max_slots, np.int32)
+        self.alloc = PageAllocator(self.num_pages)
+        self.traces = {"prefill": 0, "decode": 0}
+        self._prefill = jax.jit(self._prefill_impl, donate_argnums=(1,))
+        self._decode = jax.jit(self._decode_impl, donate_argnums=(1,))
+
+        self.slots: list[Request | None] = [None] * self.max_slots
+        self.waiting: collections.deque[Request] = collections.deque()
+        self._inbox: collections.deque = collections.deque()
+        self._cv = threading.Condition()
+        self._ids = itertools.count()
+        self._admit_seq = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._closing = False
+        self._accepting = True
+        self.counters = {"steps": 0, "decode_steps": 0, "prefill_chunks": 0, "preemptions": 0,
+                         "prompt_tokens": 0, "generated_tokens": 0, "requests_finished": 0}
+        self.finish_hooks: list[Callable[[Request], None]] = []  # called on the scheduler thread (server metrics)
+
+    # --------------------------------------------------------------------------------------------- jitted
+    def _prefill_impl(self, state, cache, table, lengths, slot, ids, n, samp):
+        """One chunk ``ids [1, C]`` (first ``n`` real) of slot ``slot`` starting at ``lengths[slot]``; a slot at
+        length 0 starts from a zero KDA state. Returns (token sampled from the chunk's last real logits, cache)."""
+        self.traces["prefill"] += 1                           # runs at trace time only: counts compilations
+        cache = Cache(cache.layers, lengths).with_page_table(table)
+        row = cache.read_slots(slot)
+        fresh = row.lengths[0] == 0
+        row = Cache(tuple(jax.tree.map(lambda x: jnp.where(fresh, jnp.zeros((), x.dtype), x), c)
+                          if isinstance(c, KDACache) else c for c in row.layers), row.lengths)
+        out = nnx.merge(self.graphdef, state)(ids, cache=row, n_new=jnp.reshape(n, (1,)))
+        last = jax.lax.dynamic_index_in_dim(out.logits[0], jnp.maximum(n - 1, 0), 0, keepdims=True)
+        tok = sample_rows(last, *[jnp.reshape(s, (1,)) for s in samp])
+        return tok[0], cache.write_slots(slot, out.cache)
+
+    def _decode_impl(self, state, cache, table, lengths, tokens, active, samp):
+        """One token for every active slot (``tokens [S]`` at position ``lengths``); idle slots untouched."""
+        self.traces["decode"] += 1
+        cache = Cache(cache.layers, lengths).with_page_table(table)
+        out = nnx.merge(self.graphdef, state)(tokens[:, None], cache=cache, n_new=active.astype(jnp.int32))
+        return sample_rows(out.logits[:, 0], *samp), out.cache
+
+    def _samp_arrays(self, reqs: Sequence[Request | None]):
+        n = len(reqs)
+        seeds = np.zeros(n, np.uint32)
+        ctr = np.zeros(n, np.int32)
+        temp = np.zeros(n, np.float32)
+        tk = np.zeros(n, np.int32)
+        tp = np.ones(n, np.float32)
+        for i, r in enumerate(reqs):
+            if r is None:
+                continue
+            p = r.params
+            seeds[i], ctr[i], temp[i] = r.seed, len(r.tokens), p.temperature
+            tk[i] = max(0, p.top_k or 0)
+            tp[i] = 1.0 if p.top_p is None else p.top_p
+        return tuple(jnp.asarray(a) for a in (seeds, ctr, temp, tk, tp))
+
+    def warmup(self) -> dict:
+        """Compile every prefill bucket and the decode step (all slots idle: nothing in the cache changes).
+        Returns ``{"prefill": [buckets], "decode": [max_slots]}`` — the compiled shapes."""
+        if any(self.slots):
+            raise RuntimeError("warmup() must run before requests are served")
+        samp1 = self._samp_arrays([None])
+        table, lengths = _dev(self.table), _dev(self.lengths)
+        for C in self.buckets:
+            _, self.cache = self._prefill(self.state, self.cache, table, lengths, jnp.int32(0),
+                                          jnp.zeros((1, C), jnp.int32), jnp.int32(0), samp1)
+        tok, self.cache = self._decode(self.state, self.cache, table, lengths, jnp.zeros(self.max_slots, jnp.int32),
+                                       jnp.zeros(self.max_slots, bool), self._samp_arrays([None] * self.max_slots))
+        tok.block_until_ready()
+        return {"prefill": [[1, C] for C in self.buckets], "decode": [self.max_slots, 1]}
+
+    # ------------------------------------------------------------------------------------------- public API
+    def start(self) -> "Scheduler":
+        """Run the scheduling loop on a background thread."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="k3jax-scheduler", daemon=True)
+            self._thread.start()
+        return self
+
+    def check(self, prompt: Sequence[int], params: SamplingParams) -> list[int]:
+        """Validate a request without queueing it; returns the prompt as a list of ints."""
+        params.check()
+        ids = [int(t) for t in prompt]
+        if not ids:
+            raise RequestError("prompt: empty (no token ids); a prompt needs at least one token", "prompt")
+        V = self.cfg.vocab_size
+        lo, hi = min(ids), max(ids)
+        if lo < 0 or hi >= V:
+            raise RequestError(f"prompt: token ids must lie in [0, {V}) (vocab_size); got min {lo}, max {hi}",
+                               "prompt")
+        if len(ids) >= self.max_model_len:
+            raise RequestError(f"prompt: {len(ids)} tokens; this server's max_model_len is {self.max_model_len} "
+                               f"tokens (prompt + at least one generated token)", "prompt")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise RequestError(f"max_tokens: prompt {len(ids)} + max_tokens {params.max_tokens} = "
+                               f"{len(ids) + params.max_tokens} exceeds max_model_len {self.max_model_len}",
+                               "max_tokens")
+        need = -(-(len(ids) + params.max_tokens) // self.page_size)
+        if need > self.num_pages:
+            raise RequestError(f"max_tokens: prompt + max_tokens need {need} pages of {self.page_size} tokens; the "
+                               f"page pool has {self.num_pages} (raise --kv-cache-memory)", "max_tokens")
+        return ids
+
+    def submit(self, prompt: Sequence[int], params: SamplingParams | None = None, *,
+               callback: Callable[[TokenEvent], None] | None = None, request_id: str | None = None) -> Request:
+        """Queue a request (it joins the batch at the next step). Raises :class:`RequestError` for a request that
+        can never run and :class:`QueueFull` when ``max_queue`` requests are waiting."""
+        params = params or SamplingParams()
+        ids = self.check(prompt, params)
+        stops = frozenset(int(s) for s in params.stop_token_ids) | (frozenset() if params.ignore_eos
+                                                                     else self.eos_ids)
+        seed = params.seed if params.seed is not None else secrets.randbits(32)
+        req = Request(id=request_id or f"req-{next(self._ids)}", prompt=ids, params=params, stops=stops, seed=seed,
+                      callback=callback, sequence=list(ids), arrival=time.perf_counter())
+        if callback is None:
+            req._q = queue.Queue()
+        with self._cv:
+            if not self._accepting:
+                raise QueueFull("the server is shutting down", retry_after=5.0)
+            if len(self.waiting) + len(self._inbox) >= self.max_queue:
+                raise QueueFull(f"{self.max_queue} requests are already waiting (max_queue); retry later")
+            self._inbox.append(("submit", req))
+            self._cv.notify()
+        return req
+
+    def cancel(self, req: Request | str) -> None:
+        """Stop a request at the next step; its slot and pages are freed, its last event has reason ``abort``."""
+        with self._cv:
+            self._inbox.append(("cancel", req))
+            self._cv.notify()
+
+    def close(self, drain_timeout: float = 0.0) -> None:
+        """Stop taking requests; let running ones finish for up to ``drain_timeout`` seconds, then cancel the rest
+        and stop the loop."""
+        with self._cv:
+            self._accepting = False
+        deadline = time.monotonic() + drain_timeout
+        while drain_timeout > 0 and time.monotonic() < deadline and self._thread is not None and self.busy():
+            time.sleep(0.02)
+        with self._cv:
+            self._closing = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+            self._thread = None
+        for r in list(self.waiting) + [r for r in self.slots if r is not None] + \
+                [x for kind, x in self._inbox if kind == "submit"]:
+            self._finish(r, "abort")
+        self._inbox.clear()
+        self.waiting.clear()
+
+    def busy(self) -> bool:
+        return bool(self._inbox or self.waiting or any(r is not None for r in self.slots))
+
+    def snapshot(self) -> dict:
+        """Slot, page and queue occupancy, counters and compile counts (read by ``/metrics``)."""
+        return {"slots_in_use": sum(r is not None for r in self.slots), "max_slots": self.max_slots,
+                "free_pages": self.alloc.free, "num_pages": self.num_pages, "page_size": self.page_size,
+                "queue_length": len(self.waiting) + sum(1 for k, _ in list(self._inbox) if k == "submit"),
+                "compiles": dict(self.traces), **self.counters}
+
+    def memory(self) -> dict:
+        """Bytes of the slot pool: KDA state per slot, MLA latent per token and per page, and the totals."""
+        per_slot = slot_state_bytes(self.cfg)
+        return {"kda_state_bytes_per_slot": per_slot, "kda_state_bytes": per_slot * self.max_slots,
+                "mla_bytes_per_token": self.token_bytes, "mla_bytes_per_page": self.token_bytes * self.page_size,
+                "mla_pool_bytes": self.token_bytes * self.page_size * self.num_pages,
+                "total_bytes": per_slot * self.max_slots + self.token_bytes * self.page_size * self.num_pages}
+
+    # ------------------------------------------------------------------------------------------------ loop
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._inbox or self._closing or self.waiting or any(self.slots)):
+                    self._cv.wait(timeout=0.5)
+                if self._closing:
+                    return
+                inbox = list(self._inbox)
+                self._inbox.clear()
+            try:
+                self.step(inbox)
+            except Exception as e:  # noqa: BLE001 - a failing step fails the requests in it, not the server
+                log.exception("scheduler step failed")
+                for r in [r for r in self.slots if r is not None]:
+                    self._finish(r, "error", error=f"{type(e).__name__}: {e}")
+
+    def step(self, inbox: Sequence = ()) -> None:
+        """One scheduling step: take submissions and cancellations, admit, one prefill chunk, one decode step.
+        (The background loop calls it; call it yourself to drive the scheduler without a thread.)"""
+        for kind, x in inbox:
+            if kind == "submit":
+                self.waiting.append(x)
+            else:
+                self._cancel_now(x)
+        self._admit()
+        self._prefill_one()
+        self._decode_all()
+        self.counters["steps"] += 1
+
+    def _cancel_now(self, x: Request | str) -> None:
+        rid = x if isinstance(x, str) else x.id
+        for r in list(self.waiting):
+            if r.id == rid:
+                self.waiting.remove(r)
+                self._finish(r, "abort")
+        for r in self.slots:
+            if r is not None and r.id == rid:
+                self._finish(r, "abort")
+
+    def _pages_needed(self, n_tokens: int) -> int:
+        return -(-n_tokens // self.page_size)
+
+    def _admit(self) -> None:
+        while self.waiting:
+            free = [i for i, r in enumerate(self.slots) if r is None]
+            if not free:
+                return
+            req = self.waiting[0]
+            pages = self.alloc.alloc(self._pages_needed(len(req.sequence)))
+            if pages is None:
+                return                                      # first come, first served: wait for pages
+            self.waiting.popleft()
+            slot = free[0]
+            req.slot, req.pages, req.state, req.computed = slot, pages, _PREFILL, 0
+            req.admitted = next(self._admit_seq)
+            self.slots[slot] = req
+            self.table[slot] = 0
+            self.table[slot, :len(pages)] = pages
+            self.lengths[slot] = 0
+
+    def _release(self, req: Request) -> None:
+        if req.slot >= 0 and self.slots[req.slot] is req:
+            self.slots[req.slot] = None
+            self.table[req.slot] = 0
+            self.lengths[req.slot] = 0
+        self.alloc.release(req.pages)
+        req.pages, req.slot = [], -1
+
+    def _preempt(self, req: Request) -> None:
+        """Free ``req``'s slot and pages; it is recomputed from its prompt + generated tokens when re-admitted."""
+        self._release(req)
+        req.state, req.computed = _WAITING, 0
+        req.sequence = req.prompt + req.tokens
+        req.preemptions += 1
+        self.counters["preemptions"] += 1
+        self.waiting.appendleft(req)
+        log.info("preempted %s (%d tokens) for lack of pages", req.id, len(req.sequence))
+
+    def _emit(self, req: Request, tokens: list[int], finished: bool = False, reason: str | None = None,
+              error: str | None = None) -> None:
+        ev = TokenEvent(req.id, tokens, finished, reason, error, time.perf_counter())
+        try:
+            if req.callback is not None:
+                req.callback(ev)
+            else:
+                req._q.put(ev)
+        except Exception as e:  # noqa: BLE001 - a consumer that raises fails its own request only
+            if not finished:
+                log.exception("request %s: its event consumer raised", req.id)
+                self._finish(req, "error", error=f"{type(e).__name__}: {e}")
+
+    def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
+        if req.state == _DONE:
+            return
+        self._release(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        req.state, req.finish_reason, req.error = _DONE, reason, error
+        req.finish_time = time.perf_counter()
+        self.counters["requests_finished"] += 1
+        self._emit(req, [], True, reason, error)
+        for hook in self.finish_hooks:
+            try:
+                hook(req)
+            except Exception:  # noqa: BLE001 - a hook's failure is logged, the request is already finished
+                log.exception("finish hook raised")
+
+    def _accept_token(self, req: Request, tok: int) -> None:
+        """Record one generated token; finish the request when it stops."""
+        if req.first_token_time is None:
+            req.first_token_time = time.perf_counter()
+        req.tokens.append(tok)
+        self.counters["generated_tokens"] += 1
+        self._emit(req, [tok])
+        if req.state == _DONE:                              # its consumer failed
+            return
+        if tok in req.stops:
+            self._finish(req, "stop")
+        elif len(req.tokens) >= req.params.max_tokens or len(req.prompt) + len(req.tokens) >= self.max_model_len:
+            self._finish(req, "length")
+        else:
+            req.state = _DECODE
+
+    def _prefill_one(self) -> None:
+        cands = [r for r in self.slots if r is not None and r.state == _PREFILL and not r.cancelled]
+        if not cands:
+            return
+        req = min(cands, key=lambda r: r.admitted)
+        n_decode = sum(1 for r in self.slots if r is not None and r.state == _DECODE)
+        budget = max(self.buckets[0], self.max_step_tokens - n_decode)
+        remaining = len(req.sequence) - req.computed
+        fits = [b for b in self.buckets if b <= budget] or [self.buckets[0]]
+        C = next((b for b in fits if b >= remaining), fits[-1])
+        n = min(remaining, C)
+        ids = np.zeros((1, C), np.int32)
+        ids[0, :n] = req.sequence[req.computed:req.computed + n]
+        self.lengths[req.slot] = req.computed
+        tok, self.cache = self._prefill(self.state, self.cache, _dev(self.table), _dev(self.lengths),
+                                        jnp.int32(req.slot), jnp.asarray(ids), jnp.int32(n),
+                                        self._samp_arrays([req]))
+        req.computed += n
+        self.lengths[req.slot] = req.computed
+        self.counters["prefill_chunks"] += 1
+        if req.preemptions == 0 or req.computed > len(req.prompt):
+            self.counters["prompt_tokens"] += n if req.preemptions == 0 else 0
+        if req.computed == len(req.sequence):
+            self._accept_token(req, int(tok))
+
+    def _ensure_page(self, req: Request) -> bool:
+        """The page for the token ``req`` writes next; preempts newer requests when the pool is empty. False when
+        ``req`` itself was preempted."""
+        idx = int(self.lengths[req.slot]) // self.page_size
+        while idx >= len(req.pages):
+            got = self.alloc.alloc(1)
+            if got is not None:
+                self.table[req.slot, len(req.pages)] = got[0]
+                req.pages.extend(got)
+                continue
+            running = [r for r in self.slots if r is not None]
+            victim = max(running, key=lambda r: r.admitted)
+            self._preempt(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _decode_all(self) -> None:
+        for r in sorted((r for r in self.slots if r is not None and r.state == _DECODE), key=lambda r: r.admitted):
+            if r.state == _DECODE and r.slot >= 0:
+                self._ensure_page(r)
+        reqs = [r if (r is not None and r.state == _DECODE) else None for r in self.slots]
+        if not any(reqs):
+            return
+        tokens = np.array([r.tokens[-1] if r is not None else 0 for r in reqs], np.int32)
+        active = np.array([r is not None for r in reqs])
+        out, self.cache = self._decode(self.state, self.cache, _dev(self.table), _dev(self.lengths),
+                                       jnp.asarray(tokens), jnp.asarray(active), self._samp_arrays(reqs))
+        out = np.asarray(out)
+        self.counters["decode_steps"] += 1
+        for i, r in enumerate(reqs):
+            if r is None:
+                continue
+            self.lengths[i] += 1
+            r.computed += 1
+            self._accept_token(r, int(out[i]))
+
+
+__all__ = ["Scheduler", "SamplingParams", "Request", "TokenEvent", "RequestError", "QueueFull", "PageAllocator",
+           "prefill_buckets", "SamplingError"]

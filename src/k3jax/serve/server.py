@@ -1,0 +1,129 @@
+"""Build and run the server: load a model, size the slot pool and page pool, compile, then serve with uvicorn.
+
+``build_server(...)`` returns a :class:`Server` (scheduler warmed up and started, app built) that
+``Server.run()`` serves in the foreground (Ctrl-C / SIGTERM: drain, then exit) or ``Server.start_background()``
+serves from a thread (tests, benchmarks, notebooks); ``Server.url`` is where it listens.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import uvicorn
+
+from k3jax.infer.load import load_model
+from k3jax.infer.scheduler import Scheduler
+from k3jax.serve.app import ServeConfig, create_app
+
+log = logging.getLogger("k3jax.serve")
+
+
+@dataclass
+class Server:
+    scheduler: Scheduler
+    tokenizer: object
+    app: object
+    host: str
+    port: int
+    model_name: str
+    compiled: dict = field(default_factory=dict)
+    startup_s: float = 0.0
+    _uvicorn: uvicorn.Server | None = None
+    _thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def _config(self, log_level: str) -> uvicorn.Config:
+        return uvicorn.Config(self.app, host=self.host, port=self.port, log_level=log_level, access_log=False,
+                              timeout_graceful_shutdown=5, lifespan="on")
+
+    def run(self, log_level: str = "info", on_ready: Callable[[], None] | None = None) -> None:
+        """Serve in the foreground until Ctrl-C / SIGTERM (uvicorn's handlers), then drain and stop;
+        ``on_ready()`` runs once the socket accepts connections."""
+        self._uvicorn = uvicorn.Server(self._config(log_level))
+        if on_ready is not None:
+            def watch():
+                while not self._uvicorn.started and not self._uvicorn.should_exit:
+                    time.sleep(0.02)
+                if self._uvicorn.started:
+                    on_ready()
+            threading.Thread(target=watch, daemon=True).start()
+        self._uvicorn.run()
+
+    def start_background(self, log_level: str = "warning", timeout: float = 30.0) -> "Server":
+        """Serve from a daemon thread; returns once the socket accepts connections."""
+        self._uvicorn = uvicorn.Server(self._config(log_level))
+        self._thread = threading.Thread(target=self._uvicorn.run, name="k3jax-uvicorn", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._uvicorn.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError(f"the server did not start on {self.url}")
+            time.sleep(0.02)
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop a background server (drains like SIGTERM does)."""
+        if self._uvicorn is not None:
+            self._uvicorn.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def build_server(model: str | object, *, host: str = "127.0.0.1", port: int = 8000, max_slots: int = 8,
+                 max_model_len: int | None = None, kv_cache_memory: int | None = None, chunk: int = 256,
+                 page_size: int = 64, max_queue: int = 256, max_step_tokens: int | None = None,
+                 served_model_name: str | None = None, tokenizer=None, dtype: str | None = None,
+                 default_max_tokens: int = 256, drain_timeout: float = 10.0,
+                 say: Callable[[str], None] | None = None) -> Server:
+    """Load ``model`` (a path or preset, as ``k3jax generate --model``; or a loaded :class:`K3ForCausalLM` with
+    ``tokenizer``), build the scheduler, compile its steps (``say`` reports progress), start it and build the
+    app. ``port`` 0 picks a free port."""
+    say = say or (lambda s: log.info(s))
+    t0 = time.perf_counter()
+    if isinstance(model, (str, Path)):
+        name = served_model_name or Path(str(model)).name
+        say(f"loading {model}")
+        model, tok, what = load_model(str(model), dtype=dtype)
+        tokenizer = tokenizer or tok
+    else:
+        name = served_model_name or "k3jax"
+        what = "model object"
+        if tokenizer is None:
+            raise ValueError("tokenizer: required when a model object is passed")
+    sched = Scheduler(model, max_slots=max_slots, max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
+                      chunk=chunk, page_size=page_size, max_queue=max_queue, max_step_tokens=max_step_tokens)
+    mem = sched.memory()
+    say(f"{what}: {max_slots} slots × max_model_len {sched.max_model_len}; cache: KDA state "
+        f"{mem['kda_state_bytes_per_slot']:,} bytes per slot, MLA latent {mem['mla_bytes_per_token']:,} bytes per "
+        f"token in {sched.num_pages} pages of {sched.page_size} tokens ({mem['mla_pool_bytes']:,} bytes); "
+        f"total {mem['total_bytes']:,} bytes")
+    say(f"compiling: prefill chunks {list(sched.buckets)} (batch 1) and decode (batch {max_slots}) …")
+    t1 = time.perf_counter()
+    shapes = sched.warmup()
+    say(f"compiled in {time.perf_counter() - t1:.1f} s: prefill {shapes['prefill']}, decode {shapes['decode']}")
+    sched.start()
+    app = create_app(sched, tokenizer, ServeConfig(model_name=name, max_model_len=sched.max_model_len,
+                                                   default_max_tokens=default_max_tokens,
+                                                   drain_timeout=drain_timeout))
+    if port == 0:
+        port = free_port(host)
+    return Server(sched, tokenizer, app, host, port, name, shapes, time.perf_counter() - t0)
+
+
+__all__ = ["Server", "build_server", "free_port"]

@@ -1,0 +1,642 @@
+"""The Kimi K3 chat format ("XTML"): OpenAI-style messages → prompt segments → token ids, and the model's reply
+back into reasoning, content and tool calls — for ``/v1/chat/completions``.
+
+A tag is ``<|open|>NAME( KEY="VALUE")*<|sep|>`` … ``<|close|>NAME<|sep|>`` and every message ends with
+``<|end_of_msg|>``. The four markers are special tokens; everything else (tag names, attribute keys and values,
+message text) is ordinary text. :func:`render_chat` therefore returns *segments* ``(text, allow_special)`` and
+:func:`encode_chat` tokenizes each one on its own, so a user who types ``<|open|>`` gets ordinary ids and never the
+marker's id, and no BPE merge crosses a segment boundary (encoding the joined string in one pass would do both
+wrong).
+
+Prompt order: a tool-declare system message (when ``tools``), a thinking-effort system message (thinking mode with
+an effort), the conversation, a tool-choice message (``required``/``none``), a response-format message
+(``json_object``/``json_schema``), and the generation prompt — ``<|open|>message role="assistant"<|sep|>`` followed
+by ``<|open|>think<|sep|>`` (thinking) or ``<|open|>response<|sep|>``.
+
+The model's reply is parsed by :class:`AssistantStreamParser` (incrementally, for streaming) or
+:func:`parse_assistant`: the think channel → ``reasoning``, the response channel → ``content``, the tools block →
+OpenAI ``tool_calls``. Generation stops on ``<|end_of_msg|>`` (``tokenizer.special_id("<|end_of_msg|>")``), not on
+the tokenizer's ``[EOS]``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+
+__all__ = ["ChatFormatError", "CHAT_MARKERS", "render_chat", "render_chat_text", "chat_tokenizer_problem",
+           "encode_chat", "AssistantMessage", "AssistantStreamParser", "parse_assistant"]
+
+
+class ChatFormatError(ValueError):
+    """A request the chat format cannot render; the message starts with the offending field's path
+    (``messages[2].role: …``, ``reasoning_effort: …``) so a server can answer 400 with it as is."""
+
+
+OPEN, SEP, CLOSE, END = "<|open|>", "<|sep|>", "<|close|>", "<|end_of_msg|>"
+CHAT_MARKERS = (OPEN, SEP, CLOSE, END)
+# Other release specials an allow_special segment may hold (image prompts); split out like the markers.
+_MEDIA_SPECIALS = ("<|media_begin|>", "<|media_content|>", "<|media_end|>", "<|media_pad|>")
+_SPECIAL_SPLIT = re.compile("(" + "|".join(re.escape(m) for m in CHAT_MARKERS + _MEDIA_SPECIALS) + ")")
+
+ROLES = ("system", "user", "assistant", "tool")
+EFFORTS = ("low", "high", "max")
+
+_TOOLS_HEADER = "# Tools\nHere are the available tools, described in JSONSchema.\n\n"
+# The heading is the format's; the sentence under it is k3jax's wording (the spec gives only the heading).
+_DYNAMIC_TOOLS_HEADER = "## New Tools Available\nHere are the newly available tools, described in JSONSchema.\n\n"
+_EFFORT_BODY = ("`thinking_effort` guides on how much to think in your thinking channel (not including the response "
+                "channel), supported values include `low`, `medium`, `high`, and `max`.\n"
+                "Now the system is invoked with `thinking_effort={}`.")
+# k3jax's wording: the spec fixes the message types (tool-choice, response-format) but not their bodies.
+_TOOL_CHOICE_BODY = {"required": "You MUST call at least one tool in the next message.",
+                     "none": "You MUST NOT call any tools in the next message."}
+_JSON_OBJECT_BODY = "Respond in the response channel with one valid JSON object and nothing else."
+_JSON_SCHEMA_BODY = ("Respond in the response channel with one valid JSON value and nothing else; it must conform to "
+                     "the JSONSchema{name} below.\n\n")
+
+Segments = list  # list[tuple[str, bool]]
+
+
+# ---------------------------------------------------------------------------------------------------- rendering
+def _escape(value) -> str:
+    return str(value).replace("&", "&amp;").replace('"', "&quot;")
+
+
+def _unescape(value: str) -> str:
+    return value.replace("&quot;", '"').replace("&amp;", "&")
+
+
+def _open(out: Segments, tag: str, /, **attrs) -> None:
+    out.append((OPEN, True))
+    out.append((tag, False))
+    for key, value in attrs.items():
+        if value is None:
+            continue
+        out += [(" " + key, False), ('="', False), (_escape(value), False), ('"', False)]
+    out.append((SEP, True))
+
+
+def _close(out: Segments, tag: str) -> None:
+    out += [(CLOSE, True), (tag, False), (SEP, True)]
+
+
+def _text(out: Segments, text: str) -> None:
+    out.append((text, False))
+
+
+def _message(out: Segments, body: str, **attrs) -> None:
+    """A whole ``message`` whose body is one ordinary text."""
+    _open(out, "message", **attrs)
+    _text(out, body)
+    _close(out, "message")
+    out.append((END, True))
+
+
+def _json_block(value) -> str:
+    """A JSON code fence: keys recursively sorted, compact separators, non-ASCII kept."""
+    return "```json\n" + json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False) + "\n```"
+
+
+def _tools_list(tools, where: str) -> list:
+    if not isinstance(tools, list):
+        raise ChatFormatError(f"{where}: expected a list of tool objects, got {type(tools).__name__}")
+    for j, tool in enumerate(tools):
+        if not isinstance(tool, dict):
+            raise ChatFormatError(f"{where}[{j}]: expected a tool object, got {type(tool).__name__}")
+    return tools
+
+
+def _content_text(content, where: str, *, allow_none: bool = True) -> str:
+    """A message's content: a string, ``None`` (empty) or a list of parts whose text is joined with nothing between."""
+    if content is None and allow_none:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if isinstance(part, str):
+                texts.append(part)
+                continue
+            if not isinstance(part, dict):
+                raise ChatFormatError(f"{where}[{j}]: expected a content part object, got {type(part).__name__}")
+            kind = part.get("type")
+            if kind == "text":
+                text = part.get("text")
+                if not isinstance(text, str):
+                    raise ChatFormatError(f"{where}[{j}].text: expected a string, got {type(text).__name__}")
+                texts.append(text)
+            elif kind in ("image", "image_url", "input_image"):
+                raise ChatFormatError(f"{where}[{j}]: images are not supported yet")
+            else:
+                raise ChatFormatError(f"{where}[{j}].type: expected 'text', got {kind!r}")
+        return "".join(texts)
+    raise ChatFormatError(f"{where}: expected a string or a list of content parts, got {type(content).__name__}")
+
+
+def _opt_str(msg: dict, key: str, where: str) -> str | None:
+    value = msg.get(key)
+    if value is None or isinstance(value, str):
+        return value
+    raise ChatFormatError(f"{where}.{key}: expected a string, got {type(value).__name__}")
+
+
+def _arg_value(value) -> tuple[str, str]:
+    """(type attribute, rendered value) of one tool-call argument."""
+    if isinstance(value, str):
+        return "string", value
+    if isinstance(value, bool):
+        kind = "boolean"
+    elif isinstance(value, (int, float)):
+        kind = "number"
+    elif value is None:
+        kind = "null"
+    elif isinstance(value, dict):
+        kind = "object"
+    elif isinstance(value, (list, tuple)):
+        kind = "array"
+    else:
+        raise TypeError(type(value).__name__)
+    return kind, json.dumps(value, ensure_ascii=False)
+
+
+def _calls(tool_calls, where: str) -> list[tuple[str | None, str, object]]:
+    """Validated ``(id, name, arguments)`` of an assistant message's ``tool_calls``."""
+    if not isinstance(tool_calls, list):
+        raise ChatFormatError(f"{where}: expected a list of tool calls, got {type(tool_calls).__name__}")
+    calls = []
+    for j, call in enumerate(tool_calls):
+        w = f"{where}[{j}]"
+        if not isinstance(call, dict):
+            raise ChatFormatError(f"{w}: expected a tool call object, got {type(call).__name__}")
+        fn = call.get("function", call)     # OpenAI form, or a bare {"name", "arguments"}
+        if "function" in call:
+            w += ".function"
+        if not isinstance(fn, dict):
+            raise ChatFormatError(f"{w}: expected an object, got {type(fn).__name__}")
+        name = fn.get("name")
+        if not isinstance(name, str) or not name:
+            raise ChatFormatError(f"{w}.name: expected a non-empty string, got {name!r}")
+        args = fn.get("arguments")
+        if args is not None and not isinstance(args, (str, dict)):
+            raise ChatFormatError(f"{w}.arguments: expected a JSON string or an object, got {type(args).__name__}")
+        call_id = call.get("id")
+        calls.append((call_id if isinstance(call_id, str) else None, name, args))
+    return calls
+
+
+def _render_call(out: Segments, index: int, name: str, args, where: str) -> None:
+    _open(out, "call", tool=name, index=index)
+    raw = None
+    if isinstance(args, str):
+        if args.strip():
+            try:
+                parsed = json.loads(args)
+            except ValueError:
+                parsed = None
+            if isinstance(parsed, dict):
+                args = parsed
+            else:
+                raw = args
+        else:
+            args = None
+    if raw is not None:
+        _open(out, "json", type="object")
+        _text(out, raw)
+        _close(out, "json")
+    else:
+        for key, value in (args or {}).items():
+            try:
+                kind, text = _arg_value(value)
+            except TypeError as e:
+                raise ChatFormatError(f"{where}.arguments.{key}: not a JSON value ({e})") from None
+            _open(out, "argument", key=key, type=kind)
+            _text(out, text)
+            _close(out, "argument")
+    _close(out, "call")
+
+
+def _tool_run_order(run: list[int], messages: list, calls) -> tuple[list[int], bool]:
+    """The order to render a run of consecutive tool messages in: call order when every message's
+    ``tool_call_id`` names a distinct call of the last assistant turn, else as given."""
+    if not calls:
+        return run, False
+    position = {cid: k for k, (cid, _, _) in enumerate(calls) if cid is not None}
+    ids = [messages[i].get("tool_call_id") for i in run]
+    if all(isinstance(c, str) and c in position for c in ids) and len(set(ids)) == len(ids):
+        return [i for _, i in sorted(zip((position[c] for c in ids), run))], True
+    return run, False
+
+
+def render_chat(messages: list[dict], *, tools: list[dict] | None = None, thinking: bool = True,
+                thinking_effort: str | None = "max", tool_choice=None, response_format=None,
+                add_generation_prompt: bool = True) -> list[tuple[str, bool]]:
+    """Segments ``(text, allow_special)`` of the prompt for ``messages``, in order (empty segments dropped).
+
+    ``allow_special`` segments are the markers (``<|open|>``, ``<|sep|>``, ``<|close|>``, ``<|end_of_msg|>``);
+    everything else is ordinary text. ``thinking=False`` drops every think channel, history included, and the
+    effort message; with ``thinking`` an effort of ``None`` renders no effort message, anything else must be
+    low/high/max. Assistant history: ``reasoning_content`` (else ``reasoning``), ``content``, and ``tool_calls``
+    whose ``arguments`` may be a JSON string (parsed first; unparseable or not an object → rendered raw in a
+    ``json`` block). Tool messages: ``index`` counts tool messages since the last assistant turn; the tool name is
+    the message's ``tool``/``name``, else that turn's call at the same position; a run of tool messages whose
+    ``tool_call_id``\\ s all name that turn's calls is first put in call order. A system message carrying ``tools``
+    renders its content (if any) and then a dynamic tool-declare message. ``tool_choice`` "required"/"none" and a
+    ``response_format`` of ``json_object``/``json_schema`` add a system message after the conversation — their body
+    text is k3jax's wording (the format fixes only the message ``type``). Images raise :class:`ChatFormatError`.
+    Any unusable field raises :class:`ChatFormatError` naming it.
+    """
+    out: Segments = []
+    if not isinstance(messages, list):
+        raise ChatFormatError(f"messages: expected a list of message objects, got {type(messages).__name__}")
+    if tools:
+        _message(out, _TOOLS_HEADER + _json_block(_tools_list(tools, "tools")), role="system", type="tool-declare")
+    if thinking and thinking_effort is not None:
+        if thinking_effort not in EFFORTS:
+            raise ChatFormatError(f"reasoning_effort: expected one of {', '.join(EFFORTS)}; got {thinking_effort!r}")
+        _message(out, _EFFORT_BODY.format(thinking_effort), role="system", type="thinking-effort")
+
+    # Validate roles first, so the error names the first bad message whatever comes before it.
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict):
+            raise ChatFormatError(f"messages[{i}]: expected a message object, got {type(msg).__name__}")
+        if "role" not in msg:
+            raise ChatFormatError(f"messages[{i}].role: missing (expected one of {', '.join(ROLES)})")
+        if msg["role"] not in ROLES:
+            raise ChatFormatError(f"messages[{i}].role: expected one of {', '.join(ROLES)}; got {msg['role']!r}")
+
+    calls: list = []        # the last assistant turn's (id, name, arguments)
+    tool_count = 0          # tool messages since that turn
+    i = 0
+    while i < len(messages):
+        msg, where = messages[i], f"messages[{i}]"
+        role = msg["role"]
+        if role == "tool":
+            j = i
+            while j < len(messages) and messages[j]["role"] == "tool":
+                j += 1
+            order, from_calls = _tool_run_order(list(range(i, j)), messages, calls)
+            by_id = {cid: name for cid, name, _ in calls}
+            for k in order:
+                tmsg, tw = messages[k], f"messages[{k}]"
+                tool_count += 1
+                if from_calls:
+                    name = by_id[tmsg["tool_call_id"]]
+                else:
+                    name = _opt_str(tmsg, "tool", tw) or _opt_str(tmsg, "name", tw)
+                    if not name:
+                        if tool_count > len(calls):
+                            raise ChatFormatError(
+                                f"{tw}.name: a tool message needs its tool's name (name or tool), or an assistant "
+                                f"turn before it with a tool call #{tool_count} to take it from")
+                        name = calls[tool_count - 1][1]
+                body = _content_text(tmsg.get("content"), f"{tw}.content")
+                _message(out, body, role="tool", tool=name, index=tool_count)
+            i = j
+            continue
+
+        name = _opt_str(msg, "name", where) or None
+        if role == "assistant":
+            _open(out, "message", role="assistant", name=name)
+            if thinking:
+                reasoning = msg.get("reasoning_content")
+                key = "reasoning_content"
+                if reasoning is None:
+                    reasoning, key = msg.get("reasoning"), "reasoning"
+                if reasoning is not None and not isinstance(reasoning, str):
+                    raise ChatFormatError(f"{where}.{key}: expected a string, got {type(reasoning).__name__}")
+                _open(out, "think")
+                _text(out, reasoning or "")
+                _close(out, "think")
+            _open(out, "response")
+            _text(out, _content_text(msg.get("content"), f"{where}.content"))
+            _close(out, "response")
+            calls = _calls(msg["tool_calls"], f"{where}.tool_calls") if msg.get("tool_calls") else []
+            if calls:
+                _open(out, "tools")
+                for k, (_, cname, args) in enumerate(calls):
+                    _render_call(out, k + 1, cname, args, f"{where}.tool_calls[{k}]")
+                _close(out, "tools")
+            _close(out, "message")
+            out.append((END, True))
+            tool_count = 0
+        else:  # user / system
+            body = _content_text(msg.get("content"), f"{where}.content")
+            dynamic = msg.get("tools") if role == "system" else None
+            if dynamic:
+                if body:
+                    _message(out, body, role=role, name=name)
+                tools_json = _json_block(_tools_list(dynamic, f"{where}.tools"))
+                _message(out, _DYNAMIC_TOOLS_HEADER + tools_json, role="system", type="tool-declare")
+            else:
+                _message(out, body, role=role, name=name)
+        i += 1
+
+    if tool_choice is not None and not isinstance(tool_choice, dict):
+        if tool_choice in _TOOL_CHOICE_BODY:
+            _message(out, _TOOL_CHOICE_BODY[tool_choice], role="system", type="tool-choice")
+        elif tool_choice != "auto":
+            raise ChatFormatError(f"tool_choice: expected 'auto', 'required', 'none' or a named function; "
+                                  f"got {tool_choice!r}")
+    if response_format is not None:
+        _response_format(out, response_format)
+    if add_generation_prompt:
+        _open(out, "message", role="assistant")
+        _open(out, "think" if thinking else "response")
+    return [(t, s) for t, s in out if t]
+
+
+def _response_format(out: Segments, rf) -> None:
+    if not isinstance(rf, dict):
+        raise ChatFormatError(f"response_format: expected an object, got {type(rf).__name__}")
+    kind = rf.get("type")
+    if kind in (None, "text"):
+        return
+    if kind == "json_object":
+        _message(out, _JSON_OBJECT_BODY, role="system", type="response-format")
+        return
+    if kind != "json_schema":
+        raise ChatFormatError(f"response_format.type: expected one of text, json_object, json_schema; got {kind!r}")
+    spec = rf.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+        raise ChatFormatError("response_format.json_schema: expected an object with a 'schema' object")
+    name = spec.get("name")
+    body = _JSON_SCHEMA_BODY.format(name=f" `{name}`" if isinstance(name, str) and name else "")
+    _message(out, body + _json_block(spec.get("schema", {})), role="system", type="response-format")
+
+
+def render_chat_text(messages, **kw) -> str:
+    """The prompt as one string (the segments joined) — for display and comparison, never for tokenizing."""
+    return "".join(text for text, _ in render_chat(messages, **kw))
+
+
+# ---------------------------------------------------------------------------------------------------- encoding
+def chat_tokenizer_problem(tokenizer) -> str | None:
+    """``None`` when ``tokenizer`` can encode chats (it has an id for every marker in :data:`CHAT_MARKERS`), else
+    a sentence saying what is missing."""
+    name = getattr(tokenizer, "name", type(tokenizer).__name__)
+    if not callable(getattr(tokenizer, "special_id", None)) or not callable(getattr(tokenizer, "encode_ordinary",
+                                                                                     None)):
+        return f"tokenizer {name} cannot tell special tokens from text (no special_id/encode_ordinary)"
+    missing = [m for m in CHAT_MARKERS if tokenizer.special_id(m) is None]
+    if not missing:
+        return None
+    need = "chat needs the release tokenizer (tiktoken.model + tokenizer_config.json)"
+    if len(missing) == len(CHAT_MARKERS):
+        return f"tokenizer {name} has no chat markers ({', '.join(CHAT_MARKERS)}): {need}"
+    return f"tokenizer {name} lacks the chat marker{'s' if len(missing) > 1 else ''} {', '.join(missing)}: {need}"
+
+
+def encode_chat(tokenizer, messages, **kw) -> list[int]:
+    """Token ids of the chat prompt: each :func:`render_chat` segment tokenized on its own — allow_special
+    segments as special ids (split on the special tokens they contain; text between them ordinary), the rest with
+    ``tokenizer.encode_ordinary``. Raises :class:`ChatFormatError` for an unusable request or a tokenizer without
+    the chat markers (:func:`chat_tokenizer_problem`)."""
+    problem = chat_tokenizer_problem(tokenizer)
+    if problem:
+        raise ChatFormatError(problem)
+    ids: list[int] = []
+    for text, allow_special in render_chat(messages, **kw):
+        if not allow_special:
+            ids += tokenizer.encode_ordinary(text)
+            continue
+        for piece in _SPECIAL_SPLIT.split(text):
+            if not piece:
+                continue
+            if _SPECIAL_SPLIT.fullmatch(piece):
+                sid = tokenizer.special_id(piece)
+                if sid is None:
+                    raise ChatFormatError(f"tokenizer {getattr(tokenizer, 'name', '?')} has no special token {piece}")
+                ids.append(sid)
+            else:
+                ids += tokenizer.encode_ordinary(piece)
+    return ids
+
+
+# ---------------------------------------------------------------------------------------------------- parsing
+@dataclass
+class AssistantMessage:
+    """A parsed reply: ``reasoning`` (the think channel's text; ``None`` when there was none), ``content`` (the
+    response channel, plus any tools block that did not parse) and OpenAI-form ``tool_calls``."""
+
+    reasoning: str | None
+    content: str
+    tool_calls: list[dict] = field(default_factory=list)
+
+
+_M_OPEN_THINK = OPEN + "think" + SEP
+_M_CLOSE_THINK = CLOSE + "think" + SEP
+_M_OPEN_RESPONSE = OPEN + "response" + SEP
+_M_CLOSE_RESPONSE = CLOSE + "response" + SEP
+_M_OPEN_TOOLS = OPEN + "tools" + SEP
+_M_CLOSE_TOOLS = CLOSE + "tools" + SEP
+_M_CLOSE_MESSAGE = CLOSE + "message" + SEP
+
+# state → (markers looked for in it); the state a marker leads to is _NEXT[marker]
+_CHANNEL_MARKERS = (_M_OPEN_THINK, _M_CLOSE_THINK, _M_OPEN_RESPONSE, _M_CLOSE_RESPONSE, _M_OPEN_TOOLS,
+                    _M_CLOSE_MESSAGE, END)
+_TOOLS_MARKERS = (_M_CLOSE_TOOLS, _M_CLOSE_MESSAGE, END)
+_NEXT = {_M_OPEN_THINK: "think", _M_CLOSE_THINK: "between", _M_OPEN_RESPONSE: "response",
+         _M_CLOSE_RESPONSE: "between", _M_OPEN_TOOLS: "tools", _M_CLOSE_TOOLS: "between",
+         _M_CLOSE_MESSAGE: "closed", END: "done"}
+
+
+class _ToolsParseError(ValueError):
+    pass
+
+
+class AssistantStreamParser:
+    """Incremental parser of the text the model generates after the generation prompt.
+
+    ``thinking=True``: the prompt ended inside the think channel (``<|open|>think<|sep|>``); ``False``: inside the
+    response channel. :meth:`feed` takes newly decoded text and returns deltas ``[("reasoning", s) |
+    ("content", s)]``, holding back any suffix that could be the start of a marker, so no marker text ever reaches
+    a delta. Text of the tools block is kept until :meth:`finish`. Text outside any channel (between the think and
+    response channels, say) counts as content; text after ``<|close|>message<|sep|>`` is ignored.
+
+    :meth:`finish` flushes what was held back (a partial marker at the very end is plain text of the channel it
+    was in), parses the tools blocks, and returns the :class:`AssistantMessage`. The deltas it adds (the flushed
+    text, and any tools block that did not parse, which becomes content) are left in :attr:`finish_deltas`, so a
+    streaming server sends them before its last chunk; all deltas of one kind joined equal that field of the
+    message.
+    """
+
+    def __init__(self, thinking: bool):
+        self.thinking = bool(thinking)
+        self.state = "think" if self.thinking else "response"
+        self._buf = ""
+        self._reasoning: list[str] | None = [] if self.thinking else None
+        self._content: list[str] = []
+        self._tools: list[list[str]] = []      # raw text of each tools block
+        self.finish_deltas: list[tuple[str, str]] = []
+        self._finished: AssistantMessage | None = None
+
+    # -- internals
+    def _markers(self) -> tuple[str, ...]:
+        return _TOOLS_MARKERS if self.state == "tools" else _CHANNEL_MARKERS
+
+    def _emit(self, text: str, deltas: list) -> None:
+        if not text or self.state in ("closed", "done"):
+            return
+        if self.state == "tools":
+            self._tools[-1].append(text)
+            return
+        kind = "reasoning" if self.state == "think" else "content"
+        (self._reasoning if kind == "reasoning" else self._content).append(text)
+        if deltas and deltas[-1][0] == kind:
+            deltas[-1] = (kind, deltas[-1][1] + text)
+        else:
+            deltas.append((kind, text))
+
+    def _enter(self, marker: str) -> None:
+        self.state = _NEXT[marker]
+        if self.state == "think" and self._reasoning is None:
+            self._reasoning = []
+        elif self.state == "tools":
+            self._tools.append([])
+
+    def _drain(self, deltas: list, final: bool) -> None:
+        buf = self._buf
+        while buf and self.state != "done":
+            markers = self._markers()
+            hits = [(buf.find(m), m) for m in markers]
+            hits = [(pos, m) for pos, m in hits if pos >= 0]
+            if hits:
+                pos, marker = min(hits)
+                self._emit(buf[:pos], deltas)
+                buf = buf[pos + len(marker):]
+                self._enter(marker)
+                continue
+            hold = 0
+            if not final:
+                start = buf.find("<", max(0, len(buf) - max(map(len, markers)) + 1))
+                while start >= 0:
+                    tail = buf[start:]
+                    if any(m.startswith(tail) for m in markers):
+                        hold = len(tail)
+                        break
+                    start = buf.find("<", start + 1)
+            self._emit(buf[:len(buf) - hold], deltas)
+            buf = buf[len(buf) - hold:]
+            break
+        self._buf = "" if self.state == "done" else buf
+
+    # -- public
+    def feed(self, text: str) -> list[tuple[str, str]]:
+        """New decoded text in; the reasoning/content deltas it completes out."""
+        if self._finished is not None:
+            raise RuntimeError("AssistantStreamParser.feed after finish")
+        deltas: list[tuple[str, str]] = []
+        self._buf += text
+        self._drain(deltas, final=False)
+        return deltas
+
+    def finish(self) -> AssistantMessage:
+        """Flush, parse the tools blocks, and return the whole message (idempotent)."""
+        if self._finished is not None:
+            return self._finished
+        deltas: list[tuple[str, str]] = []
+        self._drain(deltas, final=True)
+        tool_calls: list[dict] = []
+        for block in self._tools:
+            raw = "".join(block)
+            try:
+                tool_calls += _parse_tools(raw, len(tool_calls))
+            except _ToolsParseError:
+                saved, self.state = self.state, "response"
+                self._emit(raw, deltas)
+                self.state = saved
+        self.finish_deltas = deltas
+        self._finished = AssistantMessage(
+            reasoning=None if self._reasoning is None else "".join(self._reasoning),
+            content="".join(self._content), tool_calls=tool_calls)
+        return self._finished
+
+
+_ATTR = re.compile(r' ([A-Za-z_][\w-]*)="([^"]*)"')
+
+
+def _take_tag(raw: str, pos: int, name: str) -> tuple[dict, int]:
+    """Parse ``<|open|>NAME attrs<|sep|>`` at ``raw[pos:]`` (leading whitespace skipped): (attrs, end)."""
+    while pos < len(raw) and raw[pos].isspace():
+        pos += 1
+    head = OPEN + name
+    if not raw.startswith(head, pos):
+        raise _ToolsParseError(f"expected {head} at {pos}")
+    end = raw.find(SEP, pos)
+    if end < 0:
+        raise _ToolsParseError("unterminated tag")
+    attr_text = raw[pos + len(head):end]
+    attrs = {k: _unescape(v) for k, v in _ATTR.findall(attr_text)}
+    if _ATTR.sub("", attr_text).strip():
+        raise _ToolsParseError(f"bad attributes {attr_text!r}")
+    return attrs, end + len(SEP)
+
+
+def _take_body(raw: str, pos: int, name: str) -> tuple[str, int]:
+    """The text up to ``<|close|>NAME<|sep|>`` and the position after it."""
+    close = CLOSE + name + SEP
+    end = raw.find(close, pos)
+    if end < 0:
+        raise _ToolsParseError(f"missing {close}")
+    return raw[pos:end], end + len(close)
+
+
+def _parse_value(kind: str | None, text: str):
+    if kind == "string":
+        return text
+    try:
+        value = json.loads(text)
+    except ValueError:
+        if kind in ("number", "boolean", "null", "object", "array"):
+            raise _ToolsParseError(f"bad {kind} value {text!r}") from None
+        return text          # an unknown type: the JSON if it parses, else the text
+    expected = {"number": (int, float), "boolean": bool, "null": type(None), "object": dict, "array": list}.get(kind)
+    if expected is not None and (not isinstance(value, expected) or (kind == "number" and isinstance(value, bool))):
+        raise _ToolsParseError(f"{text!r} is not a {kind}")
+    return value
+
+
+def _parse_tools(raw: str, first: int) -> list[dict]:
+    """OpenAI ``tool_calls`` from the text of a tools block; ``first`` numbers the ids on from earlier blocks."""
+    calls, pos = [], 0
+    while raw[pos:].strip():
+        attrs, pos = _take_tag(raw, pos, "call")
+        name = attrs.get("tool")
+        if not name:
+            raise _ToolsParseError("call without tool name")
+        body, pos = _take_body(raw, pos, "call")
+        args: dict = {}
+        arguments = None
+        bpos = 0
+        while body[bpos:].strip():
+            lead = body[bpos:].lstrip()
+            if lead.startswith(OPEN + "json"):
+                if arguments is not None or args:
+                    raise _ToolsParseError("json body mixed with arguments")
+                _, bpos = _take_tag(body, bpos, "json")
+                arguments, bpos = _take_body(body, bpos, "json")
+                continue
+            if arguments is not None:
+                raise _ToolsParseError("arguments after a json body")
+            a, bpos = _take_tag(body, bpos, "argument")
+            if "key" not in a:
+                raise _ToolsParseError("argument without key")
+            text, bpos = _take_body(body, bpos, "argument")
+            args[a["key"]] = _parse_value(a.get("type"), text)
+        if arguments is None:
+            arguments = json.dumps(args, ensure_ascii=False)
+        n = first + len(calls)
+        calls.append({"id": f"call_{n}_{uuid.uuid4().hex[:24]}", "type": "function",
+                      "function": {"name": name, "arguments": arguments}})
+    return calls
+
+
+def parse_assistant(text: str, *, thinking: bool) -> AssistantMessage:
+    """A whole reply at once: :class:`AssistantStreamParser` fed ``text`` and finished."""
+    parser = AssistantStreamParser(thinking)
+    parser.feed(text)
+    return parser.finish()
