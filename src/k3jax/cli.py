@@ -214,7 +214,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         console.print(f"[yellow]warning: tokenizer {tok.name} has {tok.vocab_size} ids, the model {cfg.vocab_size}")
     prompts = args.prompt or [""]
     ids = [([tok.bos_id] if (tok.bos_id is not None and not args.no_bos) else []) + tok.encode(p) for p in prompts]
-    stops = [tok.eos_id] if (tok.eos_id is not None and not args.ignore_eos) else []
+    # the config's eos_token_id ends a sequence (<|end_of_msg|> in the release, not the tokenizer's [EOS]);
+    # the tokenizer's eos only when the config names none
+    eos = cfg.eos_token_id if cfg.eos_token_id is not None else tok.eos_id
+    eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    stops = list(eos) if not args.ignore_eos else []
     stops += [int(s) for s in (args.stop or [])]
     engine = Engine(model, chunk=args.chunk, max_len=args.max_len)
     console.print(f"[bold]k3jax generate[/bold] {what}; tokenizer {tok.name}; "
@@ -371,7 +375,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--top-k", type=int, default=None)
     g.add_argument("--top-p", type=float, default=None)
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--stop", action="append", help="extra stop token id (EOS always stops unless --ignore-eos)")
+    g.add_argument("--stop", action="append", help="extra stop token id (the config's eos_token_id always stops "
+                   "unless --ignore-eos)")
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--no-bos", action="store_true", help="do not prepend the BOS token")
     g.add_argument("--no-stream", action="store_true")
