@@ -405,7 +405,7 @@ def test_cli_serve_starts_answers_and_exits_cleanly_on_sigterm():
         log = "".join(out)
         assert f"http://127.0.0.1:{port}" in log, log
         assert "2 slots" in log and "bytes per slot" in log and "pages of 16 tokens" in log, log
-        assert "prefill [[1, 16]]" in log and "decode [2, 1]" in log, log
+        assert "prefill [[1, 16]]" in log and "decode [[2, 1]]" in log, log
         with httpx.Client(timeout=60) as h:
             assert h.get(f"http://127.0.0.1:{port}/health").json()["status"] == "ok"
             with h.stream("POST", f"http://127.0.0.1:{port}/v1/completions",

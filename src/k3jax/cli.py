@@ -278,7 +278,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     console.rule(f"[bold]k3jax serve {args.model}")
     srv = build_server(args.model, host=args.host, port=args.port, max_slots=args.max_slots,
                        max_model_len=args.max_model_len, kv_cache_memory=mem, chunk=args.chunk,
-                       page_size=args.page_size, max_queue=args.max_queue, served_model_name=args.served_model_name,
+                       page_size=args.page_size, max_queue=args.max_queue,
+                       max_step_tokens=args.max_step_tokens, served_model_name=args.served_model_name,
                        dtype=args.dtype, default_max_tokens=args.default_max_tokens,
                        say=lambda m: console.print(m, highlight=False, soft_wrap=True))
     import signal
@@ -422,6 +423,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="bytes of MLA latent page pool, e.g. 256MiB (default: every slot at max-model-len)")
     s.add_argument("--chunk", type=int, default=256, help="largest prefill chunk (buckets chunk, chunk/4, chunk/16)")
     s.add_argument("--page-size", type=int, default=64, help="tokens per MLA cache page (default 64)")
+    s.add_argument("--max-step-tokens", type=int, default=None, help="token budget of one step: decode tokens + "
+                   "one prefill chunk (default --chunk; smaller: lower time per token, longer time to first token)")
     s.add_argument("--max-queue", type=int, default=256, help="waiting requests before 429 (default 256)")
     s.add_argument("--served-model-name", default=None, help="the model id clients send (default: the path's name)")
     s.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens when a request gives none")

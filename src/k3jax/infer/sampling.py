@@ -51,4 +51,9 @@ def sample_rows(logits: jax.Array, seeds: jax.Array, counters: jax.Array, temper
     def one(lg, s, c, t, k, p):
         return sample_next(lg[None], jax.random.fold_in(jax.random.key(s), c), t, k, p)[0]
 
-    return jax.vmap(one)(logits, seeds, counters, temperature, top_k, top_p)
+    def greedy():
+        return jnp.argmax(logits.astype(jnp.float32), axis=-1).astype(jnp.int32)
+
+    # an all-greedy batch skips the vocabulary sort top-k / top-p need
+    return jax.lax.cond(jnp.any(temperature > 0), lambda: jax.vmap(one)(logits, seeds, counters, temperature,
+                                                                          top_k, top_p), greedy)

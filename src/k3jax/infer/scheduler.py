@@ -1,8 +1,9 @@
 """Continuous batching over a static slot pool, with a paged MLA latent cache — the engine behind ``k3jax serve``.
 
 * **Slots.** ``max_slots`` decode slots, fixed. A slot holds one sequence's KDA state and conv windows (constant
-  size) and a row of the page table. One jitted decode step runs every slot (idle ones masked: ``n_new = 0``
-  leaves their state, windows and pages untouched), compiled once.
+  size) and a row of the page table. One jitted decode step runs the decoding slots, gathered into the smallest of
+  a few static batch sizes (:func:`decode_buckets`: ``max_slots`` and, from 8 slots on, 1, 4, 16, …; idle slots
+  fill the bucket masked — ``n_new = 0`` leaves their state, windows and pages untouched), each compiled once.
 * **Pages.** Each MLA layer keeps its latent cache in a pool of ``num_pages`` pages of ``page_size`` tokens,
   shared by all slots (:class:`~k3jax.nn.cache.PagedMLACache`). A request is admitted when a slot is free and
   the pages for its prompt are; decode takes one more page each time a sequence crosses a page boundary. When none
@@ -10,8 +11,9 @@
   back to the head of the queue with its prompt and the tokens generated so far, to be recomputed (its stream
   continues where it stopped; nothing already sent is repeated).
 * **Steps.** Each step runs at most one prefill chunk (the oldest admitted prompt; chunk lengths come from a few
-  static buckets, sized to the step's token budget left after the decode tokens) and then one decode step over
-  all slots, so a long prompt never stalls the running streams. A request joins at the next step and leaves the
+  static buckets, the largest that fits the step's token budget left after the decode tokens) and then one decode
+  step, so a long prompt never stalls the running streams (a smaller budget: shorter chunks between decode steps,
+  lower time per output token, longer time to first token). A request joins at the next step and leaves the
   moment it stops (its slot and pages are free for the next step).
 * **Nothing recompiles while serving**: :meth:`Scheduler.warmup` compiles every prefill bucket and the decode
   step; ``compiles`` in :meth:`Scheduler.snapshot` counts traces.
@@ -188,6 +190,19 @@ def _dev(a: np.ndarray) -> jax.Array:
     return jnp.array(a, copy=True)
 
 
+def decode_buckets(max_slots: int) -> tuple[int, ...]:
+    """The static decode batch sizes: ``max_slots``, and from 8 slots on also the powers of 4 below it (1, 4, 16,
+    …), so a lightly loaded pool does not pay for every slot. Each step runs the smallest that holds the active
+    slots."""
+    out = {max_slots}
+    if max_slots >= 8:
+        b = 1
+        while b < max_slots:
+            out.add(b)
+            b *= 4
+    return tuple(sorted(out))
+
+
 def prefill_buckets(chunk: int) -> tuple[int, ...]:
     """The static prefill chunk lengths: ``chunk``, ``chunk/4``, ``chunk/16`` (those ≥ 16, multiples of 16)."""
     out = {chunk}
@@ -204,7 +219,7 @@ class Scheduler:
     ``max_slots`` decode slots; ``max_model_len`` longest prompt + generation; ``page_size`` tokens per MLA page;
     ``num_pages`` pool size (default: enough for every slot at ``max_model_len``; or from ``kv_cache_memory`` bytes
     of MLA latent cache); ``chunk`` the largest prefill chunk; ``max_step_tokens`` the per-step token budget
-    (decode tokens + one prefill chunk; default ``chunk + max_slots``); ``max_queue`` waiting requests before
+    (decode tokens + one prefill chunk; default ``chunk``); ``max_queue`` waiting requests before
     :class:`QueueFull`."""
 
     def __init__(self, model: K3ForCausalLM, *, max_slots: int = 8, max_model_len: int | None = None,
@@ -238,7 +253,8 @@ class Scheduler:
             raise ValueError(f"num_pages: expected ≥ 1, got {self.num_pages}")
         self.chunk = int(chunk)
         self.buckets = prefill_buckets(self.chunk)
-        self.max_step_tokens = int(max_step_tokens or self.chunk + self.max_slots)
+        self.decode_sizes = decode_buckets(self.max_slots)
+        self.max_step_tokens = int(max_step_tokens or self.chunk)
         self.max_queue = int(max_queue)
         eos = cfg.eos_token_id if eos_token_ids is None else eos_token_ids
         self.eos_ids = frozenset([] if eos is None else ([eos] if isinstance(eos, int) else list(eos)))
@@ -262,7 +278,7 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._closing = False
         self._accepting = True
-        self.counters = {"steps": 0, "decode_steps": 0, "prefill_chunks": 0, "preemptions": 0,
+        self.counters = {"steps": 0, "decode_steps": 0, "decode_rows": 0, "prefill_chunks": 0, "preemptions": 0,
                          "prompt_tokens": 0, "generated_tokens": 0, "requests_finished": 0}
         self.finish_hooks: list[Callable[[Request], None]] = []  # called on the scheduler thread (server metrics)
 
@@ -281,12 +297,14 @@ class Scheduler:
         tok = sample_rows(last, *[jnp.reshape(s, (1,)) for s in samp])
         return tok[0], cache.write_slots(slot, out.cache)
 
-    def _decode_impl(self, state, cache, table, lengths, tokens, active, samp):
-        """One token for every active slot (``tokens [S]`` at position ``lengths``); idle slots untouched."""
+    def _decode_impl(self, state, cache, table, lengths, slot_ids, tokens, active, samp):
+        """One token for each of the slots ``slot_ids [b]`` (``tokens [b]`` at their ``lengths``; rows with
+        ``active`` False are idle slots filling the bucket: masked, untouched); the other slots are not computed."""
         self.traces["decode"] += 1
         cache = Cache(cache.layers, lengths).with_page_table(table)
-        out = nnx.merge(self.graphdef, state)(tokens[:, None], cache=cache, n_new=active.astype(jnp.int32))
-        return sample_rows(out.logits[:, 0], *samp), out.cache
+        rows = cache.read_slots(slot_ids)
+        out = nnx.merge(self.graphdef, state)(tokens[:, None], cache=rows, n_new=active.astype(jnp.int32))
+        return sample_rows(out.logits[:, 0], *samp), cache.write_slots(slot_ids, out.cache)
 
     def _samp_arrays(self, reqs: Sequence[Request | None]):
         n = len(reqs)
@@ -314,10 +332,11 @@ class Scheduler:
         for C in self.buckets:
             _, self.cache = self._prefill(self.state, self.cache, table, lengths, jnp.int32(0),
                                           jnp.zeros((1, C), jnp.int32), jnp.int32(0), samp1)
-        tok, self.cache = self._decode(self.state, self.cache, table, lengths, jnp.zeros(self.max_slots, jnp.int32),
-                                       jnp.zeros(self.max_slots, bool), self._samp_arrays([None] * self.max_slots))
+        for b in self.decode_sizes:
+            tok, self.cache = self._decode(self.state, self.cache, table, lengths, jnp.arange(b, dtype=jnp.int32),
+                                           jnp.zeros(b, jnp.int32), jnp.zeros(b, bool), self._samp_arrays([None] * b))
         tok.block_until_ready()
-        return {"prefill": [[1, C] for C in self.buckets], "decode": [self.max_slots, 1]}
+        return {"prefill": [[1, C] for C in self.buckets], "decode": [[b, 1] for b in self.decode_sizes]}
 
     # ------------------------------------------------------------------------------------------- public API
     def start(self) -> "Scheduler":
@@ -587,22 +606,28 @@ class Scheduler:
         for r in sorted((r for r in self.slots if r is not None and r.state == _DECODE), key=lambda r: r.admitted):
             if r.state == _DECODE and r.slot >= 0:
                 self._ensure_page(r)
-        reqs = [r if (r is not None and r.state == _DECODE) else None for r in self.slots]
-        if not any(reqs):
+        live = [i for i, r in enumerate(self.slots) if r is not None and r.state == _DECODE]
+        if not live:
             return
+        b = next(x for x in self.decode_sizes if x >= len(live))
+        idle = [i for i in range(self.max_slots) if i not in set(live)]
+        slot_ids = live + idle[: b - len(live)]
+        reqs = [self.slots[i] for i in live] + [None] * (b - len(live))
         tokens = np.array([r.tokens[-1] if r is not None else 0 for r in reqs], np.int32)
         active = np.array([r is not None for r in reqs])
         out, self.cache = self._decode(self.state, self.cache, _dev(self.table), _dev(self.lengths),
-                                       jnp.asarray(tokens), jnp.asarray(active), self._samp_arrays(reqs))
+                                       jnp.asarray(np.array(slot_ids, np.int32)), jnp.asarray(tokens),
+                                       jnp.asarray(active), self._samp_arrays(reqs))
         out = np.asarray(out)
         self.counters["decode_steps"] += 1
-        for i, r in enumerate(reqs):
+        self.counters["decode_rows"] += len(live)
+        for j, r in enumerate(reqs):
             if r is None:
                 continue
-            self.lengths[i] += 1
+            self.lengths[r.slot] += 1
             r.computed += 1
-            self._accept_token(r, int(out[i]))
+            self._accept_token(r, int(out[j]))
 
 
 __all__ = ["Scheduler", "SamplingParams", "Request", "TokenEvent", "RequestError", "QueueFull", "PageAllocator",
-           "prefill_buckets", "SamplingError"]
+           "prefill_buckets", "decode_buckets", "SamplingError"]

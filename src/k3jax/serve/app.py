@@ -162,6 +162,7 @@ class _SchedulerCollector:
             yield g
         for name, doc in [("preemptions", "sequences preempted for lack of pages (re-queued and recomputed)"),
                           ("steps", "scheduler steps"), ("decode_steps", "decode steps"),
+                          ("decode_rows", "sequences advanced by decode steps (÷ decode_steps: mean batch)"),
                           ("prefill_chunks", "prefill chunks run")]:
             c = CounterMetricFamily(f"k3jax_{name}", doc)
             c.add_metric([], s[name])

@@ -113,7 +113,7 @@ def build_server(model: str | object, *, host: str = "127.0.0.1", port: int = 80
         f"{mem['kda_state_bytes_per_slot']:,} bytes per slot, MLA latent {mem['mla_bytes_per_token']:,} bytes per "
         f"token in {sched.num_pages} pages of {sched.page_size} tokens ({mem['mla_pool_bytes']:,} bytes); "
         f"total {mem['total_bytes']:,} bytes")
-    say(f"compiling: prefill chunks {list(sched.buckets)} (batch 1) and decode (batch {max_slots}) …")
+    say(f"compiling: prefill chunks {list(sched.buckets)} (batch 1) and decode batches {list(sched.decode_sizes)} …")
     t1 = time.perf_counter()
     shapes = sched.warmup()
     say(f"compiled in {time.perf_counter() - t1:.1f} s: prefill {shapes['prefill']}, decode {shapes['decode']}")
