@@ -422,3 +422,30 @@ def test_cli_serve_starts_answers_and_exits_cleanly_on_sigterm():
     finally:
         if p.poll() is None:
             p.kill()
+
+
+def test_incremental_detokenizer_and_stop_strings_equal_whole_text(tmp_path):
+    """Streamed text deltas (a short window per push, unfinished UTF-8 held back) add up to the whole decode; stop
+    strings cut at their first occurrence even when split across deltas."""
+    import random
+
+    from k3jax.serve.app import _StopText, _TextDecoder
+
+    write_release_tokenizer(tmp_path, extra_merges=["中".encode(), "文".encode()[:2]])
+    tok = TiktokenTokenizer(tmp_path)
+    rnd = random.Random(0)
+    for _ in range(200):
+        ids = tok.encode_ordinary("héllo 中文 ✓ wörld " * rnd.randint(1, 3)) + \
+            [rnd.randrange(0, 258) for _ in range(rnd.randint(0, 5))]
+        dec, out, i = _TextDecoder(tok), "", 0
+        while i < len(ids):
+            k = rnd.randint(1, 3)
+            out += dec.push(ids[i:i + k])
+            i += k
+        assert out + dec.flush() == tok.decode(ids)
+    st, sent = _StopText(["wör", "zz"]), ""
+    for piece in ["héllo ", "中文 ✓ w", "ö", "rld"]:
+        sent += st.push(piece)
+        if st.hit:
+            break
+    assert st.hit and sent == "héllo 中文 ✓ "

@@ -566,7 +566,8 @@ class Scheduler:
             return
         req = min(cands, key=lambda r: r.admitted)
         n_decode = sum(1 for r in self.slots if r is not None and r.state == _DECODE)
-        budget = max(self.buckets[0], self.max_step_tokens - n_decode)
+        # nothing decoding: no stream to stall, the whole chunk; else what the step's budget leaves
+        budget = self.chunk if n_decode == 0 else max(self.buckets[0], self.max_step_tokens - n_decode)
         remaining = len(req.sequence) - req.computed
         fits = [b for b in self.buckets if b <= budget] or [self.buckets[0]]
         C = next((b for b in fits if b >= remaining), fits[-1])

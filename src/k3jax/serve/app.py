@@ -183,26 +183,26 @@ class ServeConfig:
 
 
 class _TextDecoder:
-    """Incremental detokenisation: the text of the ids so far, emitted as deltas, holding back an unfinished UTF-8
-    sequence (a trailing U+FFFD)."""
+    """Incremental detokenisation in O(new tokens): each push decodes only a short window — the ids after the last
+    emitted boundary (``prefix``) — and emits what that window adds past the text already sent; an unfinished UTF-8
+    sequence (a trailing U+FFFD) is held back until its bytes arrive."""
 
     def __init__(self, tokenizer):
-        self.tok, self.ids, self.shown = tokenizer, [], 0
+        self.tok, self.ids = tokenizer, []
+        self.prefix = self.read = 0          # ids[prefix:read] were emitted; their text is the window's start
 
-    def push(self, ids: list[int]) -> str:
+    def push(self, ids: list[int], final: bool = False) -> str:
         self.ids.extend(ids)
-        text = self.tok.decode(self.ids)
-        if text.endswith("\ufffd"):
-            text = text.rstrip("\ufffd")
-        delta = text[self.shown:]
-        self.shown = len(text)
+        text = self.tok.decode(self.ids[self.prefix:])
+        if text.endswith("\ufffd") and not final:
+            return ""
+        done = self.tok.decode(self.ids[self.prefix:self.read])
+        delta = text[len(done):]
+        self.prefix, self.read = self.read, len(self.ids)
         return delta
 
     def flush(self) -> str:
-        text = self.tok.decode(self.ids)
-        delta = text[self.shown:]
-        self.shown = len(text)
-        return delta
+        return self.push([], final=True)
 
 
 class _StopText:
