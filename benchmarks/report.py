@@ -263,6 +263,76 @@ def t_load_rss(r: dict) -> str:
                      "load s"], rows))
 
 
+def t_serve(r: dict) -> str:
+    s, seq, tg, mem = r.get("setup", {}), r.get("sequential", {}), r.get("targets", {}), r.get("memory", {})
+    def load1(d):
+        return num((d.get("loadavg_after") or [None])[0], ".1f")
+
+    def p50(d, k):
+        return ms((d.get(k) or {}).get("p50"))
+
+    def p99(d, k):
+        return ms((d.get(k) or {}).get("p99"))
+
+    rows = [["sequential `Engine.generate`", num(seq.get("output_tokens")), num(seq.get("wall_s"), ",.1f"),
+             num(seq.get("tokens_per_s"), ",.2f"), times(1.0), p50(seq, "ttft_s"), p99(seq, "ttft_s"),
+             p50(seq, "tpot_s"), p99(seq, "tpot_s"), "1", DASH, DASH, DASH, load1(seq)]]
+    for x in r.get("levels", []):
+        rows.append([f"server, concurrency {x.get('concurrency')}", num(x.get("output_tokens")),
+                     num(x.get("wall_s"), ",.1f"), num(x.get("tokens_per_s"), ",.2f"),
+                     times(x.get("speedup_vs_sequential")), p50(x, "ttft_s"), p99(x, "ttft_s"), p50(x, "tpot_s"),
+                     p99(x, "tpot_s"), num(x.get("mean_decode_batch"), ",.1f"), num(x.get("preemptions")),
+                     x.get("all_free_after"), f"{x.get('greedy_identical')}/{s.get('requests')}", load1(x)])
+    st = r.get("startup", {})
+    head = (f"{s.get('preset')} preset ({num(s.get('params'), ',.0f', 1e-6)}M params, {s.get('weights')}, "
+            f"{s.get('dtype')}); {s.get('requests')} requests (seed {s.get('seed')}): prompt lengths drawn from "
+            f"{s.get('prompt_lengths')}, `max_tokens` from {s.get('output_lengths')} ({num(s.get('prompt_tokens'))} "
+            f"prompt + {num(s.get('output_tokens'))} output tokens), {s.get('sampling')}, the same mix at every "
+            f"level; server: {s.get('max_slots')} slots, max_model_len {s.get('max_model_len')}, prefill chunk "
+            f"{s.get('chunk')}, pages of {s.get('page_size')} tokens; {s.get('client')}. Server build + compile "
+            f"{num(st.get('server_startup_s'), ',.1f')} s (recompiled while serving: "
+            f"{st.get('recompiled_while_serving')}); engine warm-up {num(seq.get('warmup_s'), ',.1f')} s (not "
+            f"timed). TTFT = send → first streamed token, TPOT = (last − first token) / (tokens − 1), per request, "
+            f"client side; ms. `decode batch` = mean active slots per decode step; `free after` = every slot and "
+            f"page free after the level; `= engine` = requests whose greedy tokens equal the engine's; `load` = the host's "
+            f"1-minute load average at the end of the run (other processes included: on a shared host it shows how "
+            f"contended each run was).\n\n")
+    out = head + table(["run", "output tokens", "wall s", "output tokens/s", "vs sequential", "TTFT p50",
+                        "TTFT p99", "TPOT p50", "TPOT p99", "decode batch", "preemptions", "free after",
+                        "= engine", "load"], rows)
+    if tg:
+        c = tg.get("concurrency")
+        ok = lambda b: "met" if b else "**not met**"
+        note = "" if tg.get("is_issue_level") else " (the issue asks for 16; this run has no such level)"
+        out += (f"\n\nTargets at concurrency {c}{note}: output tokens/s {times(tg.get('speedup'))} the sequential figure "
+                f"(target ≥ {num(tg.get('speedup_target'), 'g')}×: {ok(tg.get('target_speedup_met'))}); TPOT p50 "
+                f"{times(tg.get('tpot_ratio'))} the single-stream TPOT, taken as the {tg.get('single_stream')} "
+                f"(target ≤ {num(tg.get('tpot_ratio_target'), 'g')}×: {ok(tg.get('target_tpot_met'))}); against the "
+                f"engine's batch-1 TPOT instead: {times(tg.get('tpot_ratio_vs_engine_batch1'))} (the server at "
+                f"concurrency 1: {times(tg.get('c1_tpot_vs_engine_batch1'))}).")
+    if r.get("loadavg_before"):
+        la = lambda v: "/".join(f"{x:.1f}" for x in v)
+        out += f" Load average (1/5/15 min) before {la(r['loadavg_before'])}, after {la(r.get('loadavg_after', []))}."
+    if mem.get("rows"):
+        out += (f"\n\nCache per slot (`Scheduler.memory()`: KDA state + conv windows "
+                f"{num(mem.get('kda_state_bytes_per_slot'))} bytes per slot, MLA latent "
+                f"{num(mem.get('mla_bytes_per_token'))} bytes per token, {mem.get('model_dtype')}) at each context, "
+                f"against `k3jax inspect`'s `decode_state_bytes_per_sequence` ({mem.get('inspect_convention')}) "
+                f"and the same formula at the model's dtype; MiB. Allocated: {mib(mem.get('total_bytes'))} MiB for "
+                f"{mem.get('max_slots')} slots × {mem.get('max_model_len')} tokens "
+                f"({mib(mem.get('allocated_bytes_per_slot'))} MiB per slot).\n\n"
+                + table(["context", "server per slot", "`inspect` prediction", "server / inspect",
+                         f"prediction at {mem.get('model_dtype')}", "server / that"],
+                        [[num(x.get("context")), mib(x.get("server_bytes_per_slot")),
+                          mib(x.get("inspect_prediction_bytes")) + ("" if x.get("inspect_is_reported_context")
+                                                                    else " (formula)"),
+                          num(x.get("ratio_vs_inspect"), ".3f"), mib(x.get("prediction_at_model_dtype_bytes")),
+                          num(x.get("ratio_vs_model_dtype_prediction"), ".3f")] for x in mem["rows"]]))
+    if r.get("plot") and (HERE / Path(r["plot"]).name).exists():
+        out += f"\n\n![serve: tokens/s and TPOT vs concurrency]({Path(r['plot']).name})"
+    return out
+
+
 def t_generic(r: dict) -> str:
     rows = [[k, num(v, ",.4g") if isinstance(v, float) else v] for k, v in r.items()
             if isinstance(v, (int, float, str, bool)) and k not in META]
@@ -272,7 +342,7 @@ def t_generic(r: dict) -> str:
 FORMATTERS: dict[str, Callable[[dict], str]] = {
     "roofline": t_roofline, "kda": t_kda, "model": t_model, "train_throughput": t_train,
     "inference.decode": t_decode, "inference.cache": t_cache, "inference.vs-transformers": t_vs_transformers,
-    "inference.prefill": t_prefill, "moonep": t_moonep, "balance": t_balance, "load_rss": t_load_rss}
+    "inference.prefill": t_prefill, "serve": t_serve, "moonep": t_moonep, "balance": t_balance, "load_rss": t_load_rss}
 META = {"command", "module_command", "wall_seconds", "recorded", "quick", "roofline", "benchmark"}
 
 

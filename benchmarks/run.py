@@ -72,6 +72,9 @@ BENCHMARKS: dict[str, Bench] = {
     "balance": Bench("balance", "Quantile Balancing vs the sign update on a drifting router", "balance",
                      quick=("--experts", "64", "--k", "4", "--tokens", "1024", "--steps", "10", "--exact-steps",
                             "3")),
+    "serve": Bench("serve", "HTTP server (100m): tokens/s, TTFT, TPOT at concurrency 1-32 vs sequential "
+                   "Engine.generate; cache per slot vs `inspect`", "serve", ("--plot", "benchmarks/serve.png"),
+                   ("--quick",)),
     "load_rss": Bench("load_rss", "peak host RSS while loading a multi-shard MXFP4 checkpoint", "load_rss",
                       quick=("--hidden", "128", "--experts", "8", "--layers", "4", "--shard-size", "2MB")),
 }
