@@ -32,10 +32,14 @@ _CACHE_MADE: list[str] = []
 
 def pytest_configure(config):
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False     # xdist keeps the order of pytest_collection_modifyitems (below)
     # One persistent XLA compilation cache for the session, here and in the subprocesses the tests start (they
     # inherit the environment): many tests compile the same training step or forward again, in a new process or
     # under a new jit, and on CPU that compile is most of their time. Keys are the HLO and the compile options, so
     # a hit is the same executable; K3JAX_TEST_JAX_CACHE=DIR keeps one across runs, K3JAX_TEST_JAX_CACHE=off skips.
+    # Compiles from 0.1 s on are kept: a model's eager random initialisation compiles ~20 kernels of 0.3–0.8 s
+    # each, again in every process that builds one (the training subprocesses, both workers).
     cache = os.environ.get("K3JAX_TEST_JAX_CACHE")
     if cache == "off":
         return
@@ -44,9 +48,9 @@ def pytest_configure(config):
         _CACHE_MADE.append(cache)
         os.environ["K3JAX_TEST_JAX_CACHE"] = cache     # pytest-xdist workers start after this: they share it
     os.environ["JAX_COMPILATION_CACHE_DIR"] = cache
-    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "1"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.1"
     jax.config.update("jax_compilation_cache_dir", cache)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
 
 
 def pytest_unconfigure(config):
@@ -91,15 +95,81 @@ def jit_forward(model, input_ids, **kw):
     return fn(state, input_ids, arrays)
 
 
-# Files whose module fixtures are expensive (checkpoints written, subprocess runs, reference models) stay on one
-# xdist worker (``--dist loadgroup``); the tests of every other file are spread over the workers one by one.
-# (test_ep groups only the two tests that share its 8-device training run; see there)
-_KEEP_TOGETHER = {"test_cache", "test_checkpoints", "test_infer", "test_loader", "test_model",
-                  "test_fla_kda", "test_transformers_kimi_linear"}
+def small_train_config(out, **kw):
+    """The small training run (test preset, 8 steps of 2×32 tokens) of test_train's runs and test_balance's step.
+
+    Keep them the same: the jitted step's HLO depends on the model, the optimizer (its schedule: ``steps``), the
+    balancing settings and the batch shape, not on the output directory, the save/eval cadence or the initializer
+    (test_train's NaN test), so these tests lower one step and one eval step, compiled once per session and then
+    read from the persistent compilation cache (they run on one worker, in the xdist group ``train_step``)."""
+    from k3jax.train.loop import TrainConfig
+
+    base = {"model": "test", "out": str(out), "steps": 8, "batch_size": 2, "seq_len": 32, "corpus_bytes": 200_000,
+            "eval_every": 4, "eval_batches": 1, "save_every": 3, "progress": False, "async_save": False}
+    base.update(kw)
+    return TrainConfig.from_dict(base)
 
 
+# Files whose module fixtures are expensive (checkpoints written, subprocess runs, reference models, a server),
+# or whose tests compile the same kernels (test_kda), stay on one xdist worker (``--dist loadgroup``); the tests of
+# every other file are spread over the workers one by one. (test_ep groups only the two tests that share its
+# 8-device training run, and "train_step" the tests that share one compiled training step: test_balance's and
+# test_train's; see there)
+_KEEP_TOGETHER = {"test_cache", "test_checkpoints", "test_infer", "test_kda", "test_loader", "test_model",
+                  "test_paged_cache", "test_serve", "test_fla_kda", "test_transformers_kimi_linear"}
+
+# The longest units of work (an xdist group, or one test) first, in this order (about that many seconds each on
+# this 2-core machine, both workers busy); then every other test marked slow, then the rest, each in collection
+# order. xdist hands the units out in this order (its own reordering, by test count, is turned off in
+# pytest_configure) and a worker takes the next unit when it has 2 tests or fewer left, so both workers end on
+# short tests at about the same time, not one of them on a long test started last.
+_LONGEST_FIRST = [
+    "ep_train",                                                            # 230 s: 8-device training, 2 processes
+    "tests/test_cli.py::test_demo_trains_and_beats_unigram",               # 170 s
+    "test_kda",                                                            # 145 s
+    "train_step",                                                          # 120 s: one compile, then cache reads
+    "test_infer",                                                          # 100 s
+    "test_serve",                                                          # 90 s
+    "test_transformers_kimi_linear",                                       # 70 s
+    "test_checkpoints",                                                    # 65 s
+    "test_model",                                                          # 60 s
+    "test_cache",                                                          # 45 s
+    "tests/test_layers.py::test_model_tiny_preset_runs_with_grad",         # 35 s
+    "tests/test_balance.py::test_integer_psum_over_8_devices_equals_single_device",      # 28 s
+    "test_loader",                                                         # 25 s
+    "tests/test_moonep.py::test_invariants_hypothesis",                    # 25 s
+    "tests/test_ep.py::test_expert_parallel_moe_equals_single_device",     # 24 s
+    "test_paged_cache",                                                    # 20 s
+]
+
+
+def _unit(item) -> str:
+    group = item.get_closest_marker("xdist_group")
+    return group.args[0] if group is not None else item.nodeid
+
+
+@pytest.hookimpl(trylast=True)        # after xdist's own hook (see the end)
 def pytest_collection_modifyitems(config, items):
     for item in items:
         name = item.module.__name__.rsplit(".", 1)[-1]
         if name in _KEEP_TOGETHER:
             item.add_marker(pytest.mark.xdist_group(name))
+    rank = {u: i for i, u in enumerate(_LONGEST_FIRST)}
+    first: dict[str, tuple] = {}
+    units = [_unit(item) for item in items]
+    for i, (item, u) in enumerate(zip(items, units)):
+        key = (rank[u],) if u in rank else (len(rank), item.get_closest_marker("slow") is None, i)
+        first[u] = min(first.get(u, key), key)
+    order = {id(item): (first[u], i) for i, (item, u) in enumerate(zip(items, units))}   # a unit stays in order
+    items.sort(key=lambda item: order[id(item)])
+    # --dist loadgroup puts tests with the same xdist_group on one worker by reading the group from the node id
+    # ("…::test@group"), which xdist 3.8 appends by assigning ``item._nodeid``; pytest 9 keeps the id in
+    # ``item._id``, so that assignment does nothing and every group was split over the workers (each worker
+    # computing the group's module fixtures again). Append it where pytest 9 reads it, unless xdist did.
+    if getattr(config.option, "loadgroup", False):
+        from _pytest.nodeid import NodeId
+
+        for item in items:
+            group = item.get_closest_marker("xdist_group")
+            if group is not None and "@" not in item.nodeid.rsplit("]", 1)[-1]:
+                item._id = NodeId.parse(f"{item.nodeid}@{group.args[0]}")

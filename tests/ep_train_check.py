@@ -1,4 +1,6 @@
-"""Under 8 simulated CPU devices: ``train`` on mesh data=2,expert=4 (MoonEP) vs one device; prints the losses."""
+"""Under 8 simulated CPU devices: ``train`` on mesh data=2,expert=4 (MoonEP) vs one device; prints the losses.
+
+The model is :data:`ep_train_model.MODEL` (the test preset cut to 3 layers, every layer kind kept)."""
 
 import json
 import logging
@@ -8,6 +10,7 @@ import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import jax  # noqa: E402
+from ep_train_model import MODEL  # noqa: E402  (beside this script: on sys.path)
 
 from k3jax.train.loop import TrainConfig, train  # noqa: E402
 
@@ -34,7 +37,7 @@ def losses(mesh: str, method: str, steps: int, stop: int | None = None) -> list[
     out = []
     STEP_COMPILES.clear()
     with tempfile.TemporaryDirectory() as d:
-        c = TrainConfig.load(None, [f"out={d}", "model=test", f"steps={steps}", "batch_size=8", "seq_len=32",
+        c = TrainConfig.load(None, [f"out={d}", *MODEL, f"steps={steps}", "batch_size=8", "seq_len=32",
                                     "eval_every=1000", f"save_every={steps}", "resume=false", "progress=false",
                                     f"mesh={mesh}", f"ep_method={method}", "corpus_bytes=200000"])
         train(c, console=Console(file=open(os.devnull, "w")), stop_after=stop,

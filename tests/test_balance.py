@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import jit_forward
-from k3jax import K3Config, K3ForCausalLM
+from conftest import jit_forward, small_train_config
+from k3jax import K3ForCausalLM
 from k3jax.ops.balance import (bias_bounds, max_violation, quantile_balance_update, quantile_bias_exact,
                                quantile_from_histogram, required_bias, required_bias_histogram, sign_update)
 from k3jax.ops.routing import expert_counts, router_topk
@@ -86,23 +86,28 @@ def test_one_update_balances_a_skewed_router(rng):
     np.testing.assert_allclose(jnp.abs(sign_update(b0, c0, 1e-3)), 1e-3)
 
 
-def test_bias_is_causal_and_frozen_at_eval():
+@pytest.mark.xdist_group("train_step")       # the step test_train's runs compile: one compile (see conftest)
+def test_bias_is_causal_and_frozen_at_eval(tmp_path):
     """Step t selects with the bias computed from step t−1; eval forward leaves the bias alone."""
-    from k3jax.train.loop import TrainConfig, make_step
+    from k3jax.train.loop import make_step, model_config
     from k3jax.train.optim import make_optimizer, muon_dims_tree
 
-    cfg = K3Config.from_preset("test")
-    model = K3ForCausalLM(cfg, rngs=nnx.Rngs(0))
+    # The step `train` builds for test_train's small run (same config, state prepared as `train` does: committed to
+    # the device), so that its compile is shared; the batch is one of that run's shape [batch_size, seq_len].
+    c = small_train_config(tmp_path)
+    cfg = model_config(c)
+    model = K3ForCausalLM(cfg, rngs=nnx.Rngs(c.seed))
     g, p_st, r_st = nnx.split(model, nnx.Param, ...)
     params, rest = nnx.to_pure_dict(p_st), nnx.to_pure_dict(r_st)
-    c = TrainConfig(model="test", steps=3, balance="quantile")
-    opt = make_optimizer(muon_dims_tree(p_st), 3, c.optim)
+    opt = make_optimizer(muon_dims_tree(p_st), c.steps, c.optim)
+    params, rest, opt_state = jax.device_put((params, rest, opt.init(params)), jax.tree.leaves(params)[0].sharding)
     step, eval_step = make_step(g, p_st, r_st, opt, c, cfg)
     rng = np.random.default_rng(0)
-    ids = jnp.asarray(rng.integers(0, 512, (2, 16)), jnp.int32)
-    batch = {"input_ids": ids, "targets": ids, "segment_ids": jnp.ones_like(ids), "loss_mask": jnp.ones((2, 16))}
+    ids = jnp.asarray(rng.integers(0, 512, (c.batch_size, c.seq_len)), jnp.int32)
+    batch = {"input_ids": ids, "targets": ids, "segment_ids": jnp.ones_like(ids),
+             "loss_mask": jnp.ones(ids.shape, jnp.float32)}
     b_before = np.asarray(rest["model"]["layers"][1]["block_sparse_moe"]["e_score_correction_bias"])
-    p1, rest1, o1, m1 = step(params, rest, opt.init(params), batch)
+    p1, rest1, o1, m1 = step(params, rest, opt_state, batch)
     b_after = np.asarray(rest1["model"]["layers"][1]["block_sparse_moe"]["e_score_correction_bias"])
     assert not np.allclose(b_before, b_after)                         # an update was computed from this batch …
     # … but this step's routing used the old bias: counts equal a forward with the old bias

@@ -10,6 +10,10 @@ from hypothesis import strategies as st
 from k3jax.parallel.moonep import PlanError, destinations, plan, plan_numpy, slots_from_alloc
 
 plan_jit = jax.jit(plan)
+# The slot layout and the per-pair destinations under jit, as MoonEP runs them (inside the jitted step): one compile
+# per shape instead of one per primitive per shape (the hypothesis test draws many shapes)
+slots_jit = jax.jit(slots_from_alloc)
+destinations_jit = jax.jit(destinations)
 
 
 def routing(kind: str, R: int, E: int, S: int, K: int, seed: int) -> np.ndarray:
@@ -47,13 +51,13 @@ def check_invariants(ids: np.ndarray, E: int, p) -> None:
     foreign = (alloc > 0) & ((np.arange(E)[None, :] // m) != np.arange(R)[:, None])
     assert foreign.sum(1).max() <= m                                            # ≤ E/R redundant experts
     assert int(p.n_fills) <= R - 1
-    experts, sizes, fetch = (np.asarray(x) for x in slots_from_alloc(alloc))
+    experts, sizes, fetch = (np.asarray(x) for x in slots_jit(alloc))
     np.testing.assert_array_equal(sizes.sum(1), np.full(R, S * K))
     assert ((fetch >= 0).sum(1) == foreign.sum(1)).all()
     seen = np.zeros((R, S * K), np.int32)
     off = np.cumsum(sizes, 1) - sizes
     for r in range(R):
-        d, s = (np.asarray(x) for x in destinations(alloc, counts, r, jnp.asarray(ids[r].ravel(), jnp.int32)))
+        d, s = (np.asarray(x) for x in destinations_jit(alloc, counts, r, jnp.asarray(ids[r].ravel(), jnp.int32)))
         np.add.at(seen, (d, s), 1)
         # the slot holding buffer position s: the last non-empty segment starting at or before it
         inside = (off[d] <= s[:, None]) & (s[:, None] < off[d] + sizes[d])

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import jit_forward
+from conftest import jit_forward, small_train_config
 from k3jax import K3Config, K3ForCausalLM
 from k3jax.text.tokenizer import ByteTokenizer, DataError, HFTokenizer
 from k3jax.train.data import Dataset, pack, stdlib_corpus, user_corpus
-from k3jax.train.loop import TrainConfig, TrainingError, train
+from k3jax.train.loop import TrainingError, train
 from k3jax.train.optim import muon_dims, muon_partition
 
 
@@ -153,14 +153,11 @@ def test_hf_tokenizer_json(tmp_path):
         HFTokenizer(tmp_path / "bad.json")
 
 
-def small_config(out, **kw) -> TrainConfig:
-    base = {"model": "test", "out": str(out), "steps": 8, "batch_size": 2, "seq_len": 32, "corpus_bytes": 200_000,
-            "eval_every": 4, "eval_batches": 1, "save_every": 3, "progress": False, "async_save": False}
-    base.update(kw)
-    return TrainConfig.from_dict(base)
+small_config = small_train_config    # the run whose compiled step test_balance shares (see conftest)
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("train_step")      # one worker for the tests of that step: one compile of it
 def test_nan_loss_stops_with_a_clear_message(tmp_path):
     c = small_config(tmp_path / "run", model_overrides={"initializer_range": 1e30})
     with pytest.raises(TrainingError, match=r"non-finite loss \((nan|inf)\) at step \d+; stopped\. Last good "
@@ -171,6 +168,7 @@ def test_nan_loss_stops_with_a_clear_message(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("train_step")
 def test_resume_after_kill_is_bit_exact(tmp_path):
     """Run 8 steps straight; run again but SIGKILL at step 5 (last save at 3); resume; losses 4–8 identical."""
     # The kill waits until the asynchronous save of step 3 has landed (its directory appears when Orbax finalizes

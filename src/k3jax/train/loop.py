@@ -264,7 +264,12 @@ def train(c: TrainConfig, *, console=None, stop_after: int | None = None, on_ste
         ep = ExpertParallel(mesh, c.ep_method)
     opt_state = optimizer.init(params)
     shardings = None
-    if mesh is not None:
+    if mesh is None:
+        # One device: the state committed to the device it is on, as a restored one is (Orbax places it), so that
+        # a fresh and a resumed run lower the same step (uncommitted arguments lower to another HLO: a resumed run
+        # compiled the whole step again)
+        params, rest, opt_state = jax.device_put((params, rest, opt_state), jax.tree.leaves(params)[0].sharding)
+    else:
         from k3jax.parallel.rules import replicate_unplaced
 
         opt_state = replicate_unplaced(opt_state, mesh)       # optax's step counters are created off the mesh
