@@ -134,7 +134,6 @@ _LONGEST_FIRST = [
     "test_checkpoints",                                                    # 65 s
     "test_model",                                                          # 60 s
     "test_cache",                                                          # 45 s
-    "tests/test_layers.py::test_model_tiny_preset_runs_with_grad",         # 35 s
     "tests/test_balance.py::test_integer_psum_over_8_devices_equals_single_device",      # 28 s
     "test_loader",                                                         # 25 s
     "tests/test_moonep.py::test_invariants_hypothesis",                    # 25 s

@@ -6,6 +6,7 @@ import sys
 from importlib import resources
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import k3jax
@@ -31,6 +32,14 @@ def test_demo_trains_and_beats_unigram(capsys, tmp_path):
     assert val < uni
     assert (tmp_path / "demo" / "loss.png").exists() and (tmp_path / "demo" / "expert_load.png").exists()
     assert "greedy sample" in out
+    # the tiny preset's forward and gradient at initialisation (what test_layers checked with its own compile of the
+    # tiny model's value_and_grad; the demo's step 1 is that computation on the initial parameters): the loss near
+    # log(vocab_size), a finite nonzero gradient
+    first = json.loads((tmp_path / "demo" / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["kind"] == "train" and first["step"] == 1
+    vocab = K3Config.from_preset("tiny").vocab_size
+    assert np.isfinite(first["loss"]) and abs(first["loss"] - np.log(vocab)) < 1.0
+    assert np.isfinite(first["grad_norm"]) and first["grad_norm"] > 0
     # the demo's checkpoint serves `k3jax generate` (training-run directory → latest step, its tokenizer). With the
     # demo's prefill chunk (64) its engine lowers the demo's prefill and decode steps again: their compiles come from
     # the session's compilation cache (~20 s less CPU). The default chunk: test_generate_from_a_release_checkpoint.
