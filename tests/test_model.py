@@ -79,8 +79,9 @@ def test_attnres_candidate_counts_for_the_k3_schedule(monkeypatch):
         return real(blocks, partial, *a)
 
     monkeypatch.setattr(model_mod, "attnres_mix", spy)
-    model = K3ForCausalLM(k3_schedule_tiny_dims())
-    jax.eval_shape(lambda ids: model(ids).logits, jax.ShapeDtypeStruct((1, 4), jnp.int32))  # trace only
+    # trace only, of an abstract model (nnx.eval_shape: the 93 layers' parameters are never initialised)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: K3ForCausalLM(k3_schedule_tiny_dims())))
+    jax.eval_shape(lambda st, ids: nnx.merge(graphdef, st)(ids).logits, state, jax.ShapeDtypeStruct((1, 4), jnp.int32))
     expected = [2]                                                     # layer 0: attention read is the identity
     for i in range(1, 93):
         expected += [(i - 1) // 12 + 2, i // 12 + 2]                   # spec §6.3
@@ -109,18 +110,27 @@ def test_embedding_is_first_block_and_layer0_read_is_identity(monkeypatch):
 
     monkeypatch.setattr(model_mod, "attnres_mix", spy_mix)
     monkeypatch.setattr(model_mod.RMSNorm, "__call__", spy_norm)
-    model(ids)
-    np.testing.assert_array_equal(seen["attn_in"], emb)               # layer 0 attention reads x0 unchanged
-    np.testing.assert_array_equal(seen["blocks"][0], emb)             # the embedding is sealed as block 0
+    graphdef, state = nnx.split(model)
+
+    @jax.jit                        # one compile of the forward, not op by op; what the spies saw comes back out
+    def forward(st, ids):
+        seen.clear()
+        nnx.merge(graphdef, st)(ids)
+        return seen["attn_in"], seen["blocks"][0]
+
+    attn_in, block0 = forward(state, ids)
+    np.testing.assert_array_equal(attn_in, emb)                       # layer 0 attention reads x0 unchanged
+    np.testing.assert_array_equal(block0, emb)                        # the embedding is sealed as block 0
 
 
 def test_expert_counts_and_static_shapes():
     cfg = K3Config.from_preset("test")
     model = K3ForCausalLM(cfg)
-    out = jit_forward(model, jnp.zeros((3, 7), jnp.int32) + jnp.arange(7))
-    assert out.logits.shape == (3, 7, cfg.vocab_size)
+    # [2, 8]: test_causality's input shape, so that the two share one compile of the jitted forward
+    out = jit_forward(model, jnp.zeros((2, 8), jnp.int32) + jnp.arange(8))
+    assert out.logits.shape == (2, 8, cfg.vocab_size)
     assert out.expert_counts.shape == (len(cfg.moe_layers), cfg.num_experts)
-    np.testing.assert_array_equal(out.expert_counts.sum(-1), 3 * 7 * cfg.num_experts_per_token)
+    np.testing.assert_array_equal(out.expert_counts.sum(-1), 2 * 8 * cfg.num_experts_per_token)
 
 
 def test_causality():
