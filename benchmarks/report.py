@@ -333,6 +333,30 @@ def t_serve(r: dict) -> str:
     return out
 
 
+def t_prefix_cache(r: dict) -> str:
+    c, t, k = r.get("chat") or {}, r.get("ttft") or {}, r.get("checkpoint") or {}
+    on, off = c.get("on") or {}, c.get("off") or {}
+    rows = [["chat: prompt tokens", num(off.get("prompt_tokens")), num(on.get("prompt_tokens"))],
+            ["chat: tokens served from the cache", num(off.get("cached_tokens")), num(on.get("cached_tokens"))],
+            ["chat: tokens a 512-granular cache could reuse", "", num(on.get("reusable_tokens_512"))],
+            ["chat: hit rate (served / reusable)", "", num(on.get("hit_rate"), ".3f")],
+            ["chat: prefill time (s)", num(off.get("prefill_s"), ".2f"), num(on.get("prefill_s"), ".2f")],
+            ["chat: workload wall time (s)", num(off.get("wall_s"), ".2f"), num(on.get("wall_s"), ".2f")],
+            [f"TTFT, {num((r.get('params') or {}).get('prefix'))}-token prefix + 100 (s, median)",
+             num(t.get("miss_median_s"), ".3f"), num(t.get("hit_median_s"), ".3f")]]
+    out = table(["", "cache off / miss", "cache on / hit"], rows)
+    out += (f"\n\n{c.get('users')} users × {c.get('turns')} turns over a {num(c.get('system_tokens'))}-token system "
+            f"prompt; prefill {times(c.get('prefill_speedup'))} faster with the cache, greedy answers identical: "
+            f"{c.get('greedy_identical')}; TTFT {times(t.get('speedup'))} lower on a hit (target ≥ "
+            f"{times((r.get('targets') or {}).get('ttft_speedup'))}). Checkpoint per cached boundary: "
+            f"{num(k.get('checkpoint_bytes'))} bytes = KDA state + windows {num(k.get('kda_state_bytes_per_slot'))} "
+            f"+ logits {num(k.get('logits_bytes'))}; `inspect`'s KDA decode state {num(k.get('inspect_kda_state_bytes'))}"
+            f" bytes (ratio {num(k.get('ratio_vs_inspect'), '.3f')}: {k.get('inspect_convention')}).")
+    if r.get("plot") and (HERE / Path(r["plot"]).name).exists():
+        out += f"\n\n![prefix cache: prefill time and TTFT]({Path(r['plot']).name})"
+    return out
+
+
 def t_generic(r: dict) -> str:
     rows = [[k, num(v, ",.4g") if isinstance(v, float) else v] for k, v in r.items()
             if isinstance(v, (int, float, str, bool)) and k not in META]
@@ -342,7 +366,7 @@ def t_generic(r: dict) -> str:
 FORMATTERS: dict[str, Callable[[dict], str]] = {
     "roofline": t_roofline, "kda": t_kda, "model": t_model, "train_throughput": t_train,
     "inference.decode": t_decode, "inference.cache": t_cache, "inference.vs-transformers": t_vs_transformers,
-    "inference.prefill": t_prefill, "serve": t_serve, "moonep": t_moonep, "balance": t_balance, "load_rss": t_load_rss}
+    "inference.prefill": t_prefill, "serve": t_serve, "prefix_cache": t_prefix_cache, "moonep": t_moonep, "balance": t_balance, "load_rss": t_load_rss}
 META = {"command", "module_command", "wall_seconds", "recorded", "quick", "roofline", "benchmark"}
 
 

@@ -75,6 +75,9 @@ BENCHMARKS: dict[str, Bench] = {
     "serve": Bench("serve", "HTTP server (100m): tokens/s, TTFT, TPOT at concurrency 1-32 vs sequential "
                    "Engine.generate; cache per slot vs `inspect`", "serve", ("--plot", "benchmarks/serve.png"),
                    ("--quick",)),
+    "prefix_cache": Bench("prefix_cache", "KDA-aware prefix cache (100m): multi-turn chat hit rate and prefill time, "
+                          "TTFT of an 8k shared prefix hit vs miss, checkpoint bytes vs `inspect`", "prefix_cache",
+                          ("--plot", "benchmarks/prefix_cache.png"), ("--quick",)),
     "load_rss": Bench("load_rss", "peak host RSS while loading a multi-shard MXFP4 checkpoint", "load_rss",
                       quick=("--hidden", "128", "--experts", "8", "--layers", "4", "--shard-size", "2MB")),
 }

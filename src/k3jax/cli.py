@@ -275,12 +275,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
         except ValueError:
             raise ValueError(f"--kv-cache-memory: expected bytes or a size like '512MiB', got "
                              f"{args.kv_cache_memory!r}") from None
+    pmem = None
+    if args.prefix_cache_memory is not None:
+        try:
+            pmem = parse_size(args.prefix_cache_memory)
+        except ValueError:
+            raise ValueError(f"--prefix-cache-memory: expected bytes or a size like '1GiB', got "
+                             f"{args.prefix_cache_memory!r}") from None
+    if args.prefix_cache_stride < 1:
+        raise ValueError(f"--prefix-cache-stride: expected ≥ 1 blocks, got {args.prefix_cache_stride}")
     console.rule(f"[bold]k3jax serve {args.model}")
     srv = build_server(args.model, host=args.host, port=args.port, max_slots=args.max_slots,
                        max_model_len=args.max_model_len, kv_cache_memory=mem, chunk=args.chunk,
                        page_size=args.page_size, max_queue=args.max_queue,
                        max_step_tokens=args.max_step_tokens, served_model_name=args.served_model_name,
                        dtype=args.dtype, default_max_tokens=args.default_max_tokens,
+                       prefix_cache=not args.no_prefix_cache, prefix_cache_memory=pmem,
+                       prefix_cache_stride=args.prefix_cache_stride, prefix_cache_verify=args.prefix_cache_verify,
                        say=lambda m: console.print(m, highlight=False, soft_wrap=True))
     import signal
 
@@ -429,6 +440,13 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--served-model-name", default=None, help="the model id clients send (default: the path's name)")
     s.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens when a request gives none")
     s.add_argument("--dtype", default=None, help="compute dtype override (float32, bfloat16)")
+    s.add_argument("--no-prefix-cache", action="store_true", help="turn the KDA-aware prefix cache off")
+    s.add_argument("--prefix-cache-memory", default=None, metavar="BYTES", help="bytes for KDA checkpoints and "
+                   "cached MLA pages together, e.g. 2GiB (default: the page pool plus one checkpoint per slot)")
+    s.add_argument("--prefix-cache-stride", type=int, default=4, help="inside a prompt, a KDA checkpoint every N "
+                   "512-token blocks (besides each prompt's last boundary and branch points; default 4)")
+    s.add_argument("--prefix-cache-verify", action="store_true", help="debug: recompute every prefix-cache hit "
+                   "from scratch and compare (a mismatch is logged, counted and recomputed without the cache)")
     s.set_defaults(fn=cmd_serve)
 
     sub.add_parser("bench", help="run the benchmarks of a source checkout: k3jax bench [names…] [--list] [--quick] "

@@ -2,7 +2,8 @@
 
 :class:`SamplingParams` (validated, errors name the field), :class:`TokenEvent` (new tokens, the last one with the
 finish reason), :class:`Request` (one sequence: prompt, generated tokens, slot, pages; ``stream()`` / ``result()``
-for requests submitted without a callback), :class:`PageAllocator` (free list of MLA cache pages).
+for requests submitted without a callback), :class:`PageAllocator` (reference-counted MLA cache pages: a page of
+a cached prefix is shared by every request that reuses it).
 """
 
 from __future__ import annotations
@@ -11,6 +12,23 @@ import collections
 import queue
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def _dev(a) -> jax.Array:
+    """A device copy of a host array, complete when this returns. On XLA:CPU the host-to-device copy of
+    ``jnp.asarray`` / ``jnp.array`` can run after the call returns, reading host memory the scheduler has since
+    changed or freed (seen as prefill logits that, now and then, differed by ~1e-3 from the same prefill run
+    synchronously; blocking on the transfers removed it); the scheduler
+    passes every host input through here."""
+    return jax.block_until_ready(jnp.array(a, copy=True))
+
+
+def _i32(x) -> jax.Array:
+    return _dev(np.asarray(x, np.int32))
 
 
 class RequestError(ValueError):
@@ -103,6 +121,14 @@ class Request:
     finish_reason: str | None = None
     error: str | None = None
     cancelled: bool = False
+    use_prefix_cache: bool = True       # False: no lookup and no registration (a reference run, or privacy)
+    content_keys: tuple = ()            # (token position, digest) of non-token inputs (images), hashed in
+    cached_tokens: int = 0              # prompt tokens served from the prefix cache (first admission)
+    hashes: list = field(default_factory=list)          # chain hash per complete block of prompt + generated
+    save_at: frozenset = frozenset()    # boundaries where this admission's prefill saves a KDA checkpoint
+    hit_node: object = None             # the prefix-cache node this admission started from (pinned)
+    provisional: object = None          # (node, checkpoint) saved in decode, dropped at the next one
+    logits: list | None = None          # next-token logits per generated token (Scheduler(record_logits=True))
     _q: queue.Queue | None = None
 
     @property
@@ -131,23 +157,43 @@ class Request:
 
 
 class PageAllocator:
-    """Free list of ``num_pages`` page ids."""
+    """Reference-counted pages: ``num_pages`` ids, a free list, and per page the number of holders (running
+    requests and prefix-cache entries). :meth:`alloc` hands out pages with one reference, :meth:`retain` adds one,
+    :meth:`release` drops one and frees the page at zero."""
 
     def __init__(self, num_pages: int):
         self.num_pages = num_pages
         self._free = collections.deque(range(num_pages))
+        self.refs = [0] * num_pages
 
     @property
     def free(self) -> int:
         return len(self._free)
 
+    def is_free(self, page: int) -> bool:
+        return self.refs[page] == 0
+
     def alloc(self, n: int) -> list[int] | None:
         if n > len(self._free):
             return None
-        return [self._free.popleft() for _ in range(n)]
+        out = [self._free.popleft() for _ in range(n)]
+        for p in out:
+            self.refs[p] = 1
+        return out
+
+    def retain(self, pages: Sequence[int]) -> None:
+        for p in pages:
+            if self.refs[p] <= 0:
+                raise RuntimeError(f"page {p}: retained while free (a holder released it too early)")
+            self.refs[p] += 1
 
     def release(self, pages: Sequence[int]) -> None:
-        self._free.extend(pages)
+        for p in pages:
+            if self.refs[p] <= 0:
+                raise RuntimeError(f"page {p}: released more often than it was taken")
+            self.refs[p] -= 1
+            if self.refs[p] == 0:
+                self._free.append(p)
 
 
 __all__ = ["RequestError", "QueueFull", "SamplingParams", "TokenEvent", "Request", "PageAllocator"]

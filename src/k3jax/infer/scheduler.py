@@ -39,19 +39,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from k3jax.infer.prefix_cache import extend_hashes
+from k3jax.infer.prefix_slots import PrefixCaching
 from k3jax.infer.requests import (_DECODE, _DONE, _PREFILL, _WAITING, PageAllocator, QueueFull, Request,
-                                  RequestError, SamplingParams, TokenEvent)
+                                  RequestError, SamplingParams, TokenEvent, _dev, _i32)
 from k3jax.infer.sampling import SamplingError, sample_rows
 from k3jax.nn.cache import Cache, KDACache, init_paged_cache, page_bytes, slot_state_bytes
 from k3jax.nn.model import K3ForCausalLM
 
 log = logging.getLogger("k3jax.scheduler")
-
-
-def _dev(a: np.ndarray) -> jax.Array:
-    """A device copy of a host array the scheduler goes on mutating. ``jnp.asarray`` may alias numpy memory on
-    CPU, and the step it feeds runs asynchronously: an in-place host update would race with it."""
-    return jnp.array(a, copy=True)
 
 
 def decode_buckets(max_slots: int) -> tuple[int, ...]:
@@ -77,19 +73,28 @@ def prefill_buckets(chunk: int) -> tuple[int, ...]:
     return tuple(sorted(out))
 
 
-class Scheduler:
+class Scheduler(PrefixCaching):
     """Continuous batching for a :class:`K3ForCausalLM` (see the module docstring).
 
     ``max_slots`` decode slots; ``max_model_len`` longest prompt + generation; ``page_size`` tokens per MLA page;
     ``num_pages`` pool size (default: enough for every slot at ``max_model_len``; or from ``kv_cache_memory`` bytes
     of MLA latent cache); ``chunk`` the largest prefill chunk; ``max_step_tokens`` the per-step token budget
     (decode tokens + one prefill chunk; default ``chunk``); ``max_queue`` waiting requests before
-    :class:`QueueFull`."""
+    :class:`QueueFull`.
+
+    Prefix cache (:mod:`k3jax.infer.prefix_cache`; ``prefix_cache=False`` turns it off): ``prefix_block`` tokens
+    per hash block, a KDA checkpoint every ``prefix_stride`` blocks inside a prompt (besides each prompt's last
+    boundary, branch points and the end of each turn), ``prefix_cache_memory`` bytes for checkpoints and cached
+    pages together (default: the page pool plus one checkpoint per slot); ``prefix_verify`` recomputes every hit
+    from scratch and compares (a debug mode: a mismatch is logged, counted and the request recomputed without the
+    cache). ``record_logits`` keeps each request's next-token logits per generated token (``Request.logits``)."""
 
     def __init__(self, model: K3ForCausalLM, *, max_slots: int = 8, max_model_len: int | None = None,
                  page_size: int = 64, num_pages: int | None = None, kv_cache_memory: int | None = None,
                  chunk: int = 256, max_step_tokens: int | None = None, max_queue: int = 256,
-                 eos_token_ids: Sequence[int] | None = None):
+                 eos_token_ids: Sequence[int] | None = None, prefix_cache: bool = True,
+                 prefix_cache_memory: int | None = None, prefix_block: int = 512, prefix_stride: int = 4,
+                 prefix_verify: bool = False, record_logits: bool = False):
         cfg = model.config
         self.model, self.cfg = model, cfg
         self.max_slots = int(max_slots)
@@ -132,6 +137,9 @@ class Scheduler:
         self.traces = {"prefill": 0, "decode": 0}
         self._prefill = jax.jit(self._prefill_impl, donate_argnums=(1,))
         self._decode = jax.jit(self._decode_impl, donate_argnums=(1,))
+        self._init_prefix_cache(prefix_cache, prefix_cache_memory, prefix_block, prefix_stride, prefix_verify,
+                                record_logits)
+
 
         self.slots: list[Request | None] = [None] * self.max_slots
         self.waiting: collections.deque[Request] = collections.deque()
@@ -143,8 +151,10 @@ class Scheduler:
         self._closing = False
         self._accepting = True
         self.counters = {"steps": 0, "decode_steps": 0, "decode_rows": 0, "prefill_chunks": 0, "preemptions": 0,
-                         "prompt_tokens": 0, "generated_tokens": 0, "requests_finished": 0}
+                         "prompt_tokens": 0, "cached_prompt_tokens": 0, "generated_tokens": 0,
+                         "requests_finished": 0}
         self.finish_hooks: list[Callable[[Request], None]] = []  # called on the scheduler thread (server metrics)
+        self.step_hooks: list[Callable[[], None]] = []           # after every step, on its thread (invariant checks)
 
     # --------------------------------------------------------------------------------------------- jitted
     def _prefill_impl(self, state, cache, table, lengths, slot, ids, n, samp):
@@ -159,7 +169,7 @@ class Scheduler:
         out = nnx.merge(self.graphdef, state)(ids, cache=row, n_new=jnp.reshape(n, (1,)))
         last = jax.lax.dynamic_index_in_dim(out.logits[0], jnp.maximum(n - 1, 0), 0, keepdims=True)
         tok = sample_rows(last, *[jnp.reshape(s, (1,)) for s in samp])
-        return tok[0], cache.write_slots(slot, out.cache)
+        return tok[0], last[0], cache.write_slots(slot, out.cache)
 
     def _decode_impl(self, state, cache, table, lengths, slot_ids, tokens, active, samp):
         """One token for each of the slots ``slot_ids [b]`` (``tokens [b]`` at their ``lengths``; rows with
@@ -168,7 +178,7 @@ class Scheduler:
         cache = Cache(cache.layers, lengths).with_page_table(table)
         rows = cache.read_slots(slot_ids)
         out = nnx.merge(self.graphdef, state)(tokens[:, None], cache=rows, n_new=active.astype(jnp.int32))
-        return sample_rows(out.logits[:, 0], *samp), cache.write_slots(slot_ids, out.cache)
+        return sample_rows(out.logits[:, 0], *samp), out.logits[:, 0], cache.write_slots(slot_ids, out.cache)
 
     def _samp_arrays(self, reqs: Sequence[Request | None]):
         n = len(reqs)
@@ -184,7 +194,7 @@ class Scheduler:
             seeds[i], ctr[i], temp[i] = r.seed, len(r.tokens), p.temperature
             tk[i] = max(0, p.top_k or 0)
             tp[i] = 1.0 if p.top_p is None else p.top_p
-        return tuple(jnp.asarray(a) for a in (seeds, ctr, temp, tk, tp))
+        return tuple(_dev(a) for a in (seeds, ctr, temp, tk, tp))
 
     def warmup(self) -> dict:
         """Compile every prefill bucket and the decode step (all slots idle: nothing in the cache changes).
@@ -194,10 +204,11 @@ class Scheduler:
         samp1 = self._samp_arrays([None])
         table, lengths = _dev(self.table), _dev(self.lengths)
         for C in self.buckets:
-            _, self.cache = self._prefill(self.state, self.cache, table, lengths, jnp.int32(0),
-                                          jnp.zeros((1, C), jnp.int32), jnp.int32(0), samp1)
+            _, last, self.cache = self._prefill(self.state, self.cache, table, lengths, _i32(0),
+                                                jnp.zeros((1, C), jnp.int32), _i32(0), samp1)
+        self._warm_prefix_cache(last, samp1)
         for b in self.decode_sizes:
-            tok, self.cache = self._decode(self.state, self.cache, table, lengths, jnp.arange(b, dtype=jnp.int32),
+            tok, _, self.cache = self._decode(self.state, self.cache, table, lengths, jnp.arange(b, dtype=jnp.int32),
                                            jnp.zeros(b, jnp.int32), jnp.zeros(b, bool), self._samp_arrays([None] * b))
         tok.block_until_ready()
         return {"prefill": [[1, C] for C in self.buckets], "decode": [[b, 1] for b in self.decode_sizes]}
@@ -235,16 +246,28 @@ class Scheduler:
         return ids
 
     def submit(self, prompt: Sequence[int], params: SamplingParams | None = None, *,
-               callback: Callable[[TokenEvent], None] | None = None, request_id: str | None = None) -> Request:
+               callback: Callable[[TokenEvent], None] | None = None, request_id: str | None = None,
+               use_prefix_cache: bool = True, content_keys: Sequence[tuple[int, bytes]] = ()) -> Request:
         """Queue a request (it joins the batch at the next step). Raises :class:`RequestError` for a request that
-        can never run and :class:`QueueFull` when ``max_queue`` requests are waiting."""
+        can never run and :class:`QueueFull` when ``max_queue`` requests are waiting. ``use_prefix_cache=False``:
+        neither reuses nor adds cached prefixes; ``content_keys``: ``(position, digest bytes)`` of inputs that are
+        not token ids (image content), hashed into the prefix cache's key of the block holding the position."""
         params = params or SamplingParams()
         ids = self.check(prompt, params)
+        keys = []
+        for k in content_keys:
+            if not (isinstance(k, tuple) and len(k) == 2 and isinstance(k[0], int) and 0 <= k[0] < len(ids)
+                    and isinstance(k[1], (bytes, bytearray))):
+                raise RequestError(f"content_keys: expected (position in [0, {len(ids)}), digest bytes) pairs, got "
+                                   f"{k!r}", "content_keys")
+            keys.append((int(k[0]), bytes(k[1])))
         stops = frozenset(int(s) for s in params.stop_token_ids) | (frozenset() if params.ignore_eos
                                                                      else self.eos_ids)
         seed = params.seed if params.seed is not None else secrets.randbits(32)
         req = Request(id=request_id or f"req-{next(self._ids)}", prompt=ids, params=params, stops=stops, seed=seed,
-                      callback=callback, sequence=list(ids), arrival=time.perf_counter())
+                      callback=callback, sequence=list(ids), arrival=time.perf_counter(),
+                      use_prefix_cache=bool(use_prefix_cache), content_keys=tuple(sorted(keys)),
+                      logits=[] if self.record_logits else None)
         if callback is None:
             req._q = queue.Queue()
         with self._cv:
@@ -290,15 +313,19 @@ class Scheduler:
         return {"slots_in_use": sum(r is not None for r in self.slots), "max_slots": self.max_slots,
                 "free_pages": self.alloc.free, "num_pages": self.num_pages, "page_size": self.page_size,
                 "queue_length": len(self.waiting) + sum(1 for k, _ in list(self._inbox) if k == "submit"),
-                "compiles": dict(self.traces), **self.counters}
+                "compiles": dict(self.traces), **self.counters,
+                "prefix": self.prefix.snapshot() if self.prefix is not None else None}
 
     def memory(self) -> dict:
         """Bytes of the slot pool: KDA state per slot, MLA latent per token and per page, and the totals."""
         per_slot = slot_state_bytes(self.cfg)
-        return {"kda_state_bytes_per_slot": per_slot, "kda_state_bytes": per_slot * self.max_slots,
-                "mla_bytes_per_token": self.token_bytes, "mla_bytes_per_page": self.token_bytes * self.page_size,
-                "mla_pool_bytes": self.token_bytes * self.page_size * self.num_pages,
-                "total_bytes": per_slot * self.max_slots + self.token_bytes * self.page_size * self.num_pages}
+        out = {"kda_state_bytes_per_slot": per_slot, "kda_state_bytes": per_slot * self.max_slots,
+               "mla_bytes_per_token": self.token_bytes, "mla_bytes_per_page": self.token_bytes * self.page_size,
+               "mla_pool_bytes": self.token_bytes * self.page_size * self.num_pages,
+               "total_bytes": per_slot * self.max_slots + self.token_bytes * self.page_size * self.num_pages}
+        if self.prefix is not None:
+            out.update(prefix_checkpoint_bytes=self.checkpoint_bytes, prefix_budget_bytes=self.prefix.budget)
+        return out
 
     # ------------------------------------------------------------------------------------------------ loop
     def _loop(self) -> None:
@@ -329,6 +356,8 @@ class Scheduler:
         self._prefill_one()
         self._decode_all()
         self.counters["steps"] += 1
+        for hook in self.step_hooks:
+            hook()
 
     def _cancel_now(self, x: Request | str) -> None:
         rid = x if isinstance(x, str) else x.id
@@ -349,17 +378,46 @@ class Scheduler:
             if not free:
                 return
             req = self.waiting[0]
-            pages = self.alloc.alloc(self._pages_needed(len(req.sequence)))
+            seq = req.sequence
+            node, shared = None, 0
+            cache_on = self.prefix is not None and req.use_prefix_cache
+            if cache_on:
+                extend_hashes(req.hashes, seq, self.prefix.block, req.content_keys)
+                shared, node = self.prefix.lookup(req.hashes[:len(seq) // self.prefix.block])
+                if node is not None:
+                    self.prefix.pin(node)
+            hit = node.length if node is not None else 0
+            reuse = hit // self.page_size                   # whole pages shared with the cached prefix
+            pages = self._take_pages(self._pages_needed(len(seq)) - reuse)
             if pages is None:
+                if node is not None:
+                    self.prefix.unpin(node)
                 return                                      # first come, first served: wait for pages
             self.waiting.popleft()
             slot = free[0]
-            req.slot, req.pages, req.state, req.computed = slot, pages, _PREFILL, 0
+            if node is not None:
+                self.alloc.retain(node.pages[:reuse])
+                pages = node.pages[:reuse] + pages
+            req.slot, req.pages, req.state, req.computed = slot, pages, _PREFILL, hit
             req.admitted = next(self._admit_seq)
+            req.hit_node = node
             self.slots[slot] = req
             self.table[slot] = 0
             self.table[slot, :len(pages)] = pages
-            self.lengths[slot] = 0
+            self.lengths[slot] = hit
+            if node is not None and not self._start_from(req, node):
+                continue                                    # the hit failed verification: re-queued, no cache
+            if cache_on:
+                self.prefix.record(len(seq), hit)
+                if req.preemptions == 0:
+                    req.cached_tokens = hit
+                    self.counters["cached_prompt_tokens"] += hit
+                req.save_at = self.prefix.save_points(len(seq), hit, shared)
+            if node is not None and hit == len(seq):        # all of it cached: the first token from the logits
+                ck = node.checkpoint
+                if req.logits is not None:
+                    req.logits.append(np.array(ck.logits))
+                self._accept_token(req, int(self._sample_logits(ck.logits, self._samp_arrays([req]))))
 
     def _release(self, req: Request) -> None:
         if req.slot >= 0 and self.slots[req.slot] is req:
@@ -368,6 +426,10 @@ class Scheduler:
             self.lengths[req.slot] = 0
         self.alloc.release(req.pages)
         req.pages, req.slot = [], -1
+        if req.hit_node is not None:
+            self.prefix.unpin(req.hit_node)
+            req.hit_node = None
+        req.provisional = None
 
     def _preempt(self, req: Request) -> None:
         """Free ``req``'s slot and pages; it is recomputed from its prompt + generated tokens when re-admitted."""
@@ -432,22 +494,29 @@ class Scheduler:
         n_decode = sum(1 for r in self.slots if r is not None and r.state == _DECODE)
         # nothing decoding: no stream to stall, the whole chunk; else what the step's budget leaves
         budget = self.chunk if n_decode == 0 else max(self.buckets[0], self.max_step_tokens - n_decode)
-        remaining = len(req.sequence) - req.computed
+        want = len(req.sequence) - req.computed
+        ahead = [p for p in req.save_at if p > req.computed]
+        if ahead:                               # a chunk ends where a checkpoint is saved
+            want = min(want, min(ahead) - req.computed)
         fits = [b for b in self.buckets if b <= budget] or [self.buckets[0]]
-        C = next((b for b in fits if b >= remaining), fits[-1])
-        n = min(remaining, C)
+        C = next((b for b in fits if b >= want), fits[-1])
+        n = min(want, C)
         ids = np.zeros((1, C), np.int32)
         ids[0, :n] = req.sequence[req.computed:req.computed + n]
         self.lengths[req.slot] = req.computed
-        tok, self.cache = self._prefill(self.state, self.cache, _dev(self.table), _dev(self.lengths),
-                                        jnp.int32(req.slot), jnp.asarray(ids), jnp.int32(n),
-                                        self._samp_arrays([req]))
+        tok, last, self.cache = self._prefill(self.state, self.cache, _dev(self.table), _dev(self.lengths),
+                                              _i32(req.slot), _dev(ids), _i32(n),
+                                              self._samp_arrays([req]))
         req.computed += n
+        if self.prefix is not None and req.use_prefix_cache:
+            self._register(req, last if req.computed in req.save_at else None)
         self.lengths[req.slot] = req.computed
         self.counters["prefill_chunks"] += 1
         if req.preemptions == 0 or req.computed > len(req.prompt):
             self.counters["prompt_tokens"] += n if req.preemptions == 0 else 0
         if req.computed == len(req.sequence):
+            if req.logits is not None:
+                req.logits.append(np.array(last))
             self._accept_token(req, int(tok))
 
     def _ensure_page(self, req: Request) -> bool:
@@ -459,6 +528,8 @@ class Scheduler:
             if got is not None:
                 self.table[req.slot, len(req.pages)] = got[0]
                 req.pages.extend(got)
+                continue
+            if self.prefix is not None and self.prefix.make_room(1):
                 continue
             running = [r for r in self.slots if r is not None]
             victim = max(running, key=lambda r: r.admitted)
@@ -480,10 +551,11 @@ class Scheduler:
         reqs = [self.slots[i] for i in live] + [None] * (b - len(live))
         tokens = np.array([r.tokens[-1] if r is not None else 0 for r in reqs], np.int32)
         active = np.array([r is not None for r in reqs])
-        out, self.cache = self._decode(self.state, self.cache, _dev(self.table), _dev(self.lengths),
-                                       jnp.asarray(np.array(slot_ids, np.int32)), jnp.asarray(tokens),
-                                       jnp.asarray(active), self._samp_arrays(reqs))
+        out, logits, self.cache = self._decode(self.state, self.cache, _dev(self.table), _dev(self.lengths),
+                                               _dev(np.array(slot_ids, np.int32)), _dev(tokens), _dev(active),
+                                               self._samp_arrays(reqs))
         out = np.asarray(out)
+        host_logits = np.array(logits) if self.record_logits else None
         self.counters["decode_steps"] += 1
         self.counters["decode_rows"] += len(live)
         for j, r in enumerate(reqs):
@@ -491,6 +563,10 @@ class Scheduler:
                 continue
             self.lengths[r.slot] += 1
             r.computed += 1
+            if self.prefix is not None and r.use_prefix_cache and r.computed % self.prefix.block == 0:
+                self._register(r, logits[j], provisional=True)     # the end of this turn, so far
+            if host_logits is not None:
+                r.logits.append(host_logits[j])
             self._accept_token(r, int(out[j]))
 
 

@@ -149,6 +149,15 @@ class PagedMLACache:
         """Slot ``dst`` addresses the pages of ``src`` (shared, not copied)."""
         return self.write_slots(dst, self.read_slots(src))
 
+    def copy_page(self, src, dst) -> "PagedMLACache":
+        """This pool with page ``dst`` a copy of page ``src`` (copy-on-write of a shared partial page)."""
+        return PagedMLACache(self.c_kv.at[dst].set(self.c_kv[src]), self.k_r.at[dst].set(self.k_r[src]),
+                             self.page_table)
+
+    def gather(self, pages: jax.Array, length: int) -> tuple[jax.Array, jax.Array]:
+        """The first ``length`` tokens held in ``pages [n]`` (in order): ``c_kv [length, R]``, ``k_r [length, Dr]``."""
+        return tuple(x[pages].reshape(-1, x.shape[-1])[:length] for x in (self.c_kv, self.k_r))
+
     def append(self, c_kv: jax.Array, k_r: jax.Array, pos: jax.Array, n_new: jax.Array) -> "PagedMLACache":
         """Scatter the first ``n_new[b]`` tokens of ``c_kv [B, T, R]``, ``k_r [B, T, Dr]`` to positions
         ``pos[b] + t`` through the page table; padding tokens are dropped (their index points past the pool)."""
@@ -204,6 +213,23 @@ class Cache:
     @property
     def batch(self) -> int:
         return self.lengths.shape[0]
+
+    def kda_rows(self, slot) -> tuple[KDACache, ...]:
+        """Slot ``slot``'s recurrent state and conv windows in every KDA layer (batch 1 each, layer order): what a
+        prefix-cache checkpoint holds."""
+        idx = _slot_ids(slot)
+        return tuple(c.read_slots(idx) for c in self.layers if isinstance(c, KDACache))
+
+    def with_kda_rows(self, slot, rows: tuple[KDACache, ...]) -> "Cache":
+        """This cache with slot ``slot``'s KDA state and windows replaced by ``rows`` (from :meth:`kda_rows`)."""
+        idx, it = _slot_ids(slot), iter(rows)
+        return Cache(tuple(c.write_slots(idx, next(it)) if isinstance(c, KDACache) else c for c in self.layers),
+                     self.lengths)
+
+    def copy_page(self, src, dst) -> "Cache":
+        """Every paged MLA layer with page ``dst`` a copy of page ``src``."""
+        return Cache(tuple(c.copy_page(src, dst) if isinstance(c, PagedMLACache) else c for c in self.layers),
+                     self.lengths)
 
     def with_page_table(self, page_table: jax.Array) -> "Cache":
         """Every paged MLA layer addressing ``page_table [B, max_pages]`` (one table for all layers)."""

@@ -26,7 +26,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
 from k3jax.infer.scheduler import QueueFull, RequestError, SamplingParams, Scheduler, TokenEvent
 from k3jax.text.chat import ChatFormatError, AssistantStreamParser, chat_tokenizer_problem, encode_chat
@@ -171,6 +171,28 @@ class _SchedulerCollector:
         for k, v in s["compiles"].items():
             g.add_metric([k], v)
         yield g
+        p = s.get("prefix")
+        if p is None:
+            return
+        for name, doc in [("lookups", "prefix-cache lookups (admissions with the cache on)"),
+                          ("hits", "lookups that resumed from a cached prefix"),
+                          ("queried_tokens", "tokens of the sequences looked up"),
+                          ("hit_tokens", "tokens served from the prefix cache instead of prefilled"),
+                          ("evictions", "prefix-cache nodes evicted (LRU, or dropped by verification)"),
+                          ("checkpoints_saved", "KDA checkpoints saved"),
+                          ("verified", "hits recomputed and compared (--prefix-cache-verify)"),
+                          ("verify_failures", "hits whose recomputation disagreed (dropped and recomputed)")]:
+            c = CounterMetricFamily(f"k3jax_prefix_cache_{name}", doc)
+            c.add_metric([], p[name])
+            yield c
+        for name, doc in [("hit_rate", "hit tokens / looked-up tokens since start"),
+                          ("checkpoints", "KDA checkpoints held"), ("checkpoint_bytes", "bytes of KDA checkpoints held"),
+                          ("cached_pages", "MLA pages referenced by cached prefixes"),
+                          ("held_bytes", "checkpoint bytes + bytes of cached pages"),
+                          ("budget_bytes", "the prefix cache's memory budget (--prefix-cache-memory)")]:
+            g = GaugeMetricFamily(f"k3jax_prefix_cache_{name}", doc)
+            g.add_metric([], p[name])
+            yield g
 
 
 @dataclass
@@ -242,8 +264,8 @@ def create_app(sched: Scheduler, tokenizer, config: ServeConfig):
     def on_finish(req):
         metrics.observe(req)
         ttft = (req.first_token_time - req.arrival) if req.first_token_time else float("nan")
-        log.info("%s done: %s, prompt %d tokens, generated %d, ttft %.3f s, %.1f s total%s", req.id,
-                 req.finish_reason, req.prompt_tokens, len(req.tokens), ttft,
+        log.info("%s done: %s, prompt %d tokens (%d cached), generated %d, ttft %.3f s, %.1f s total%s", req.id,
+                 req.finish_reason, req.prompt_tokens, req.cached_tokens, len(req.tokens), ttft,
                  (req.finish_time or time.perf_counter()) - req.arrival,
                  f", preempted {req.preemptions}×" if req.preemptions else "")
 
@@ -354,7 +376,8 @@ def create_app(sched: Scheduler, tokenizer, config: ServeConfig):
 
     def usage(req, n_out: int) -> dict:
         return {"prompt_tokens": req.prompt_tokens, "completion_tokens": n_out,
-                "total_tokens": req.prompt_tokens + n_out}
+                "total_tokens": req.prompt_tokens + n_out,
+                "prompt_tokens_details": {"cached_tokens": req.cached_tokens}}
 
     def sse(obj) -> str:
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"

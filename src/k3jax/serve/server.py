@@ -89,8 +89,9 @@ def build_server(model: str | object, *, host: str = "127.0.0.1", port: int = 80
                  max_model_len: int | None = None, kv_cache_memory: int | None = None, chunk: int = 256,
                  page_size: int = 64, max_queue: int = 256, max_step_tokens: int | None = None,
                  served_model_name: str | None = None, tokenizer=None, dtype: str | None = None,
-                 default_max_tokens: int = 256, drain_timeout: float = 10.0,
-                 say: Callable[[str], None] | None = None) -> Server:
+                 default_max_tokens: int = 256, drain_timeout: float = 10.0, prefix_cache: bool = True,
+                 prefix_cache_memory: int | None = None, prefix_cache_stride: int = 4,
+                 prefix_cache_verify: bool = False, say: Callable[[str], None] | None = None) -> Server:
     """Load ``model`` (a path or preset, as ``k3jax generate --model``; or a loaded :class:`K3ForCausalLM` with
     ``tokenizer``), build the scheduler, compile its steps (``say`` reports progress), start it and build the
     app. ``port`` 0 picks a free port."""
@@ -107,12 +108,20 @@ def build_server(model: str | object, *, host: str = "127.0.0.1", port: int = 80
         if tokenizer is None:
             raise ValueError("tokenizer: required when a model object is passed")
     sched = Scheduler(model, max_slots=max_slots, max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
-                      chunk=chunk, page_size=page_size, max_queue=max_queue, max_step_tokens=max_step_tokens)
+                      chunk=chunk, page_size=page_size, max_queue=max_queue, max_step_tokens=max_step_tokens,
+                      prefix_cache=prefix_cache, prefix_cache_memory=prefix_cache_memory,
+                      prefix_stride=prefix_cache_stride, prefix_verify=prefix_cache_verify)
     mem = sched.memory()
     say(f"{what}: {max_slots} slots × max_model_len {sched.max_model_len}; cache: KDA state "
         f"{mem['kda_state_bytes_per_slot']:,} bytes per slot, MLA latent {mem['mla_bytes_per_token']:,} bytes per "
         f"token in {sched.num_pages} pages of {sched.page_size} tokens ({mem['mla_pool_bytes']:,} bytes); "
         f"total {mem['total_bytes']:,} bytes")
+    if sched.prefix is not None:
+        say(f"prefix cache: {sched.prefix.block}-token blocks, a KDA checkpoint every {sched.prefix.stride} blocks "
+            f"and at each prompt's last boundary ({mem['prefix_checkpoint_bytes']:,} bytes each); budget "
+            f"{mem['prefix_budget_bytes']:,} bytes{'; verifying every hit' if sched.prefix_verify else ''}")
+    else:
+        say("prefix cache: off")
     say(f"compiling: prefill chunks {list(sched.buckets)} (batch 1) and decode batches {list(sched.decode_sizes)} …")
     t1 = time.perf_counter()
     shapes = sched.warmup()
