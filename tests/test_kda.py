@@ -270,11 +270,16 @@ def test_intra_chunk_vjp_equals_autodiff_in_float64(rng, x64, gate):
     xs = [flat(x) for x in (q, k, v, g)] + [jnp.moveaxis(beta, 2, 1).reshape(6, 32)]
     reset = jnp.zeros((6, 32), bool).at[1, 9].set(True).at[4, 20].set(True)
     kw = dict(sub=16, safe_gate=gate == "lower_bound")
-    outs, saved = _intra_forward(*xs, reset, **kw)
+    outs = jax.eval_shape(lambda *a: _intra_forward(*a, reset, **kw)[0], *xs)
     cts = tuple(jnp.asarray(rng.normal(size=o.shape)) for o in outs)
-    ref = jax.vjp(lambda *a: _intra_forward(*a, reset, **kw)[0], *xs)[1](cts)
-    for name, a, b in zip("q k v g beta".split(), _intra_backward(saved, cts), ref):
-        assert rel(a, b) <= 1e-11, name
+
+    @jax.jit                # both sides in one compile (not op by op), in float64 as before
+    def vjps(xs, cts):
+        _, saved = _intra_forward(*xs, reset, **kw)
+        return _intra_backward(saved, cts), jax.vjp(lambda *a: _intra_forward(*a, reset, **kw)[0], *xs)[1](cts)
+
+    for name, a, b in zip("q k v g beta".split(), *vjps(xs, cts)):
+        assert a.dtype == jnp.float64 and rel(a, b) <= 1e-11, name
 
 
 def test_bfloat16_inputs_stay_within_1e2_of_float32(rng):
