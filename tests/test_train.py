@@ -79,22 +79,24 @@ def test_packing_boundaries_make_documents_independent():
     """A document's logits do not depend on the previous document in the same row."""
     model = K3ForCausalLM(K3Config.from_preset("test"), rngs=nnx.Rngs(3))
     rng = np.random.default_rng(1)
-    doc_a, doc_b, doc_b2 = rng.integers(3, 500, 20), rng.integers(3, 500, 30), rng.integers(3, 500, 20)
+    # rows of 32 = 12 + 20 tokens: the [2, 32] batch (with segment ids) of test_balance's forward over the small
+    # training run's batch shape, so that conftest.jit_forward's compile of it is shared (persistent cache)
+    doc_a, doc_b, doc_b2 = rng.integers(3, 500, 12), rng.integers(3, 500, 20), rng.integers(3, 500, 12)
     row1 = np.concatenate([doc_a, doc_b])[None]
     row2 = np.concatenate([doc_b2, doc_b])[None]
-    seg = np.concatenate([np.ones(20), 2 * np.ones(30)]).astype(np.int32)[None]
+    seg = np.concatenate([np.ones(12), 2 * np.ones(20)]).astype(np.int32)[None]
     both = jit_forward(model, jnp.asarray(np.concatenate([row1, row2]), jnp.int32),
                        segment_ids=jnp.asarray(np.concatenate([seg, seg]))).logits
     l1, l2 = both[:1], both[1:]
     # doc_b alone (right-padded: causal, so its own logits are exact) and row1 without its segment ids, one batch
     alone_padded = np.zeros_like(row1)
-    alone_padded[0, :30] = doc_b
+    alone_padded[0, :20] = doc_b
     plain = jit_forward(model, jnp.asarray(np.concatenate([alone_padded, row1]), jnp.int32)).logits
-    alone = plain[:1, :30]
-    np.testing.assert_allclose(l1[0, 20:], l2[0, 20:], atol=2e-5)
-    np.testing.assert_allclose(l1[0, 20:], alone[0], atol=2e-5)
+    alone = plain[:1, :20]
+    np.testing.assert_allclose(l1[0, 12:], l2[0, 12:], atol=2e-5)
+    np.testing.assert_allclose(l1[0, 12:], alone[0], atol=2e-5)
     unmasked = plain[1:]
-    assert float(jnp.max(jnp.abs(unmasked[0, 20:] - alone[0]))) > 1e-3     # the mask is what makes the difference
+    assert float(jnp.max(jnp.abs(unmasked[0, 12:] - alone[0]))) > 1e-3     # the mask is what makes the difference
 
 
 def test_pack_and_loss_mask():
