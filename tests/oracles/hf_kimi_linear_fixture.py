@@ -1,6 +1,8 @@
 """Write a tiny random transformers ``KimiLinearForCausalLM`` checkpoint plus its fp32 logits (run as a script).
 
-    python hf_kimi_linear_fixture.py OUT_DIR [--q-lora-rank N] [--n-group G] [--hf-names]
+    python hf_kimi_linear_fixture.py OUT_DIR [--q-lora-rank N] [--n-group G] [--hf-names] [--and OUT_DIR2 …]
+
+(``--and`` starts another checkpoint, written by the same process: torch and transformers are imported once.)
 
 Every parameter is randomised (nothing left at ones/zeros, the router bias large enough to change routing), so the
 comparison is sensitive to each piece. ``fla`` is blocked before transformers is imported so that the pure-torch
@@ -57,13 +59,13 @@ def build(q_lora_rank: int | None, n_group: int) -> KimiLinearForCausalLM:
     return model.eval()
 
 
-def main() -> None:
+def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--q-lora-rank", type=int, default=0)
     ap.add_argument("--n-group", type=int, default=1)
     ap.add_argument("--hf-names", action="store_true")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     torch.manual_seed(0)
     model = build(a.q_lora_rank or None, a.n_group)
     out = Path(a.out)
@@ -93,4 +95,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    args = sys.argv[1:]
+    while "--and" in args:
+        i = args.index("--and")
+        main(args[:i])
+        args = args[i + 1:]
+    main(args)

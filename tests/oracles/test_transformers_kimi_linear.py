@@ -23,13 +23,23 @@ VARIANTS = {
 }
 
 
-@pytest.fixture(scope="module", params=list(VARIANTS))
-def hf_checkpoint(request, tmp_path_factory):
-    out = tmp_path_factory.mktemp(request.param)
-    res = subprocess.run([sys.executable, str(SCRIPT), str(out), *VARIANTS[request.param]], capture_output=True,
-                         text=True, timeout=600)
+@pytest.fixture(scope="module")
+def hf_checkpoints(tmp_path_factory):
+    """Every variant's checkpoint, written by one run of the fixture script (torch and transformers imported once)."""
+    outs = {name: tmp_path_factory.mktemp(name) for name in VARIANTS}
+    argv = []
+    for name, out in outs.items():
+        argv += (["--and"] if argv else []) + [str(out), *VARIANTS[name]]
+    res = subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
-    info = json.loads(res.stdout.strip().splitlines()[-1])
+    infos = [json.loads(line) for line in res.stdout.strip().splitlines() if line.startswith("{")]
+    assert len(infos) == len(outs), res.stdout[-3000:]
+    return {name: (out, info) for (name, out), info in zip(outs.items(), infos)}
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def hf_checkpoint(request, hf_checkpoints):
+    out, info = hf_checkpoints[request.param]
     assert info["decode_vs_full"] < 1e-4  # the oracle agrees with itself
     return out
 
