@@ -116,7 +116,8 @@ def small_train_config(out, **kw):
 # 8-device training run, and "train_step" the tests that share one compiled training step: test_balance's and
 # test_train's; see there)
 _KEEP_TOGETHER = {"test_cache", "test_checkpoints", "test_infer", "test_kda", "test_loader", "test_model",
-                  "test_paged_cache", "test_serve", "test_fla_kda", "test_transformers_kimi_linear"}
+                  "test_paged_cache", "test_prefix_cache", "test_serve", "test_fla_kda",
+                  "test_transformers_kimi_linear"}
 
 # The longest units of work (an xdist group, or one test) first, in this order (about that many seconds each on
 # this 2-core machine, both workers busy); then every other test marked slow, then the rest, each in collection
@@ -133,6 +134,7 @@ _LONGEST_FIRST = [
     "test_transformers_kimi_linear",                                       # 70 s
     "test_checkpoints",                                                    # 65 s
     "test_model",                                                          # 60 s
+    "test_prefix_cache",                                                   # 55 s: one scheduler, verify on
     "test_cache",                                                          # 45 s
     "tests/test_balance.py::test_integer_psum_over_8_devices_equals_single_device",      # 28 s
     "test_loader",                                                         # 25 s
