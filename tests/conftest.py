@@ -111,12 +111,12 @@ def small_train_config(out, **kw):
 
 
 # Files whose module fixtures are expensive (checkpoints written, subprocess runs, reference models, a server),
-# or whose tests compile the same kernels (test_kda), stay on one xdist worker (``--dist loadgroup``); the tests of
-# every other file are spread over the workers one by one. (test_ep groups only the two tests that share its
-# 8-device training run, and "train_step" the tests that share one compiled training step: test_balance's and
-# test_train's; see there)
-_KEEP_TOGETHER = {"test_cache", "test_checkpoints", "test_infer", "test_kda", "test_loader", "test_model",
-                  "test_paged_cache", "test_prefix_cache", "test_serve", "test_fla_kda",
+# or whose tests compile the same kernels (test_kda; test_layers' three routings of one MoE, test_moonep's jitted
+# planner), stay on one xdist worker (``--dist loadgroup``); the tests of every other file are spread over the
+# workers one by one. (test_ep groups only the two tests that share its 8-device training run, and "train_step" the
+# tests that share one compiled training step: test_balance's and test_train's; see there)
+_KEEP_TOGETHER = {"test_cache", "test_checkpoints", "test_infer", "test_kda", "test_layers", "test_loader",
+                  "test_model", "test_moonep", "test_paged_cache", "test_prefix_cache", "test_serve", "test_fla_kda",
                   "test_transformers_kimi_linear"}
 
 # The longest units of work (an xdist group, or one test) first, in this order (about that many seconds each on
@@ -136,7 +136,7 @@ _LONGEST_FIRST = [
     "test_prefix_cache",                                                   # 55 s: one scheduler, verify on
     "test_model",                                                          # 35 s
     "test_cache",                                                          # 30 s
-    "tests/test_moonep.py::test_invariants_hypothesis",                    # 25 s
+    "test_moonep",                                                         # 25 s: the hypothesis test most of it
     "tests/test_ep.py::test_expert_parallel_moe_equals_single_device",     # 24 s
     "test_paged_cache",                                                    # 20 s
 ]
