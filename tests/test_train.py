@@ -16,7 +16,7 @@ from conftest import jit_forward, small_train_config
 from k3jax import K3Config, K3ForCausalLM
 from k3jax.text.tokenizer import ByteTokenizer, DataError, HFTokenizer
 from k3jax.train.data import Dataset, pack, stdlib_corpus, user_corpus
-from k3jax.train.loop import TrainingError, train
+from k3jax.train.loop import TrainingError, model_config, train
 from k3jax.train.optim import muon_dims, muon_partition
 
 
@@ -75,12 +75,12 @@ def test_per_head_muon_update_is_orthogonal_per_head():
         np.testing.assert_allclose(upd[:, h, :], u1["x"]["kernel"], rtol=1e-4, atol=1e-6)
 
 
-def test_packing_boundaries_make_documents_independent():
+def test_packing_boundaries_make_documents_independent(tmp_path):
     """A document's logits do not depend on the previous document in the same row."""
-    model = K3ForCausalLM(K3Config.from_preset("test"), rngs=nnx.Rngs(3))
+    # the small training run's model (KDA and MLA layers) and rows of 32 = 12 + 20 tokens: the [2, 32] forward with
+    # segment ids of test_balance over that run's batch shape, so that conftest.jit_forward compiles it once
+    model = K3ForCausalLM(model_config(small_config(tmp_path)), rngs=nnx.Rngs(3))
     rng = np.random.default_rng(1)
-    # rows of 32 = 12 + 20 tokens: the [2, 32] batch (with segment ids) of test_balance's forward over the small
-    # training run's batch shape, so that conftest.jit_forward's compile of it is shared (persistent cache)
     doc_a, doc_b, doc_b2 = rng.integers(3, 500, 12), rng.integers(3, 500, 20), rng.integers(3, 500, 12)
     row1 = np.concatenate([doc_a, doc_b])[None]
     row2 = np.concatenate([doc_b2, doc_b])[None]
