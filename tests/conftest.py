@@ -135,10 +135,10 @@ _KEEP_TOGETHER = {"test_cache", "test_checkpoints", "test_infer", "test_kda", "t
 _LONGEST_FIRST = [
     "ep_train",                                                            # 230 s: 8-device training, 2 processes
     "tests/test_cli.py::test_demo_trains_and_beats_unigram",               # 150 s
-    "train_step",                                                          # 120 s: one compile, then cache reads
     "test_kda",                                                            # 115 s
     "test_serve",                                                          # 90 s
     "test_infer",                                                          # 85 s
+    "train_step",                                                          # 70 s: one compile, then cache reads
     "test_checkpoints",                                                    # 65 s
     "test_transformers_kimi_linear",                                       # 60 s
     "test_prefix_cache",                                                   # 55 s: one scheduler, verify on
