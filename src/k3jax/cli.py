@@ -268,20 +268,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     k3log.propagate = False
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         console.print(f"[yellow]warning: binding to {args.host}: the server has no authentication")
-    mem = None
-    if args.kv_cache_memory is not None:
+    def size_flag(flag: str, value: str | None, example: str) -> int | None:
+        if value is None:
+            return None
         try:
-            mem = parse_size(args.kv_cache_memory)
+            return parse_size(value)
         except ValueError:
-            raise ValueError(f"--kv-cache-memory: expected bytes or a size like '512MiB', got "
-                             f"{args.kv_cache_memory!r}") from None
-    pmem = None
-    if args.prefix_cache_memory is not None:
-        try:
-            pmem = parse_size(args.prefix_cache_memory)
-        except ValueError:
-            raise ValueError(f"--prefix-cache-memory: expected bytes or a size like '1GiB', got "
-                             f"{args.prefix_cache_memory!r}") from None
+            raise ValueError(f"{flag}: expected bytes or a size like {example!r}, got {value!r}") from None
+
+    mem = size_flag("--kv-cache-memory", args.kv_cache_memory, "512MiB")
+    pmem = size_flag("--prefix-cache-memory", args.prefix_cache_memory, "1GiB")
     if args.prefix_cache_stride < 1:
         raise ValueError(f"--prefix-cache-stride: expected ≥ 1 blocks, got {args.prefix_cache_stride}")
     console.rule(f"[bold]k3jax serve {args.model}")

@@ -24,11 +24,11 @@ from typing import Any, AsyncIterator, Literal
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import generate_latest
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
 from k3jax.infer.scheduler import QueueFull, RequestError, SamplingParams, Scheduler, TokenEvent
+from k3jax.serve.metrics import ServerMetrics
 from k3jax.text.chat import ChatFormatError, AssistantStreamParser, chat_tokenizer_problem, encode_chat
 
 log = logging.getLogger("k3jax.serve")
@@ -117,82 +117,6 @@ def _parse(cls, raw: bytes):
         given = errs[0].get("input")
         got = "nothing" if errs[0]["type"] == "missing" else json.dumps(given)[:80]
         raise APIError(400, f"{field}: {' or '.join(msgs)} (got {got})", field) from None
-
-
-class ServerMetrics:
-    """Prometheus metrics of one app (own registry): request counters by endpoint and status, token counters,
-    TTFT/TPOT histograms; slot, page, queue and preemption figures read from the scheduler at scrape time."""
-
-    def __init__(self, sched: Scheduler):
-        self.registry = CollectorRegistry()
-        self.requests = Counter("k3jax_requests", "HTTP requests by endpoint and status", ["endpoint", "status"],
-                                registry=self.registry)
-        self.prompt_tokens = Counter("k3jax_prompt_tokens", "prompt tokens of finished requests",
-                                     registry=self.registry)
-        self.generation_tokens = Counter("k3jax_generation_tokens", "generated tokens of finished requests",
-                                         registry=self.registry)
-        buckets = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
-        self.ttft = Histogram("k3jax_time_to_first_token_seconds", "arrival → first generated token",
-                              buckets=buckets, registry=self.registry)
-        self.tpot = Histogram("k3jax_time_per_output_token_seconds", "mean gap between generated tokens",
-                              buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
-                              registry=self.registry)
-        self.registry.register(_SchedulerCollector(sched))
-
-    def observe(self, req) -> None:
-        self.prompt_tokens.inc(req.prompt_tokens)
-        self.generation_tokens.inc(len(req.tokens))
-        if req.first_token_time is not None:
-            self.ttft.observe(req.first_token_time - req.arrival)
-            if len(req.tokens) > 1 and req.finish_time is not None:
-                self.tpot.observe((req.finish_time - req.first_token_time) / (len(req.tokens) - 1))
-
-
-class _SchedulerCollector:
-    def __init__(self, sched: Scheduler):
-        self.sched = sched
-
-    def collect(self):
-        s = self.sched.snapshot()
-        for name, doc in [("slots_in_use", "decode slots holding a sequence"), ("max_slots", "decode slots"),
-                          ("free_pages", "free MLA cache pages"), ("num_pages", "MLA cache pages"),
-                          ("queue_length", "requests waiting for a slot or pages")]:
-            g = GaugeMetricFamily(f"k3jax_{name}", doc)
-            g.add_metric([], s[name])
-            yield g
-        for name, doc in [("preemptions", "sequences preempted for lack of pages (re-queued and recomputed)"),
-                          ("steps", "scheduler steps"), ("decode_steps", "decode steps"),
-                          ("decode_rows", "sequences advanced by decode steps (÷ decode_steps: mean batch)"),
-                          ("prefill_chunks", "prefill chunks run")]:
-            c = CounterMetricFamily(f"k3jax_{name}", doc)
-            c.add_metric([], s[name])
-            yield c
-        g = GaugeMetricFamily("k3jax_compiles", "jit compilations of the step functions", labels=["step"])
-        for k, v in s["compiles"].items():
-            g.add_metric([k], v)
-        yield g
-        p = s.get("prefix")
-        if p is None:
-            return
-        for name, doc in [("lookups", "prefix-cache lookups (admissions with the cache on)"),
-                          ("hits", "lookups that resumed from a cached prefix"),
-                          ("queried_tokens", "tokens of the sequences looked up"),
-                          ("hit_tokens", "tokens served from the prefix cache instead of prefilled"),
-                          ("evictions", "prefix-cache nodes evicted (LRU, or dropped by verification)"),
-                          ("checkpoints_saved", "KDA checkpoints saved"),
-                          ("verified", "hits recomputed and compared (--prefix-cache-verify)"),
-                          ("verify_failures", "hits whose recomputation disagreed (dropped and recomputed)")]:
-            c = CounterMetricFamily(f"k3jax_prefix_cache_{name}", doc)
-            c.add_metric([], p[name])
-            yield c
-        for name, doc in [("hit_rate", "hit tokens / looked-up tokens since start"),
-                          ("checkpoints", "KDA checkpoints held"), ("checkpoint_bytes", "bytes of KDA checkpoints held"),
-                          ("cached_pages", "MLA pages referenced by cached prefixes"),
-                          ("held_bytes", "checkpoint bytes + bytes of cached pages"),
-                          ("budget_bytes", "the prefix cache's memory budget (--prefix-cache-memory)")]:
-            g = GaugeMetricFamily(f"k3jax_prefix_cache_{name}", doc)
-            g.add_metric([], p[name])
-            yield g
 
 
 @dataclass
