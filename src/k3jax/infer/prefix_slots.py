@@ -56,7 +56,7 @@ class PrefixCaching:
         if self.prefix is None:
             return
         self.cache = self._restore_rows(self.cache, _i32(0), self._save_rows(self.cache, _i32(0)))
-        self.cache = self._copy_page(self.cache, _i32(0), _i32(0))
+        self._copy_pages(0, 0)
         self._sample_logits(jnp.zeros_like(last), samp1)
         if self.prefix_verify:
             self._reference_chunk(self.state, init_cache(self.cfg, 1, self.max_model_len),
@@ -86,6 +86,12 @@ class PrefixCaching:
         return jax.lax.dynamic_index_in_dim(out.logits[0], jnp.maximum(n - 1, 0), 0, keepdims=False), out.cache
 
     # ------------------------------------------------------------------------------------------- host side
+    def _copy_pages(self, src: int, dst: int) -> None:
+        """Page ``dst`` a copy of page ``src`` in every paged pool (the target's, and a draft model's)."""
+        self.cache = self._copy_page(self.cache, _i32(src), _i32(dst))
+        if getattr(self, "draft_model", None) is not None:
+            self.dcache = self._copy_page(self.dcache, _i32(src), _i32(dst))
+
     def _take_pages(self, n: int) -> list[int] | None:
         """``n`` free pages, evicting cached prefixes when the free list is short (live requests come first)."""
         got = self.alloc.alloc(n)
@@ -150,15 +156,17 @@ class PrefixCaching:
                       "%.3g); dropped, recomputing without it", hit, req.id, worst[0], worst[1])
         return ok
 
-    def _register(self, req: Request, logits: jax.Array | None = None, provisional: bool = False) -> None:
+    def _register(self, req: Request, logits: jax.Array | None = None, provisional: bool = False,
+                  pending: list[int] = ()) -> None:
         """Cache every block boundary of the tokens ``req``'s slot holds (nodes over its pages), and with ``logits``
-        (the next-token logits after them) a KDA checkpoint where the slot's length is a boundary."""
+        (the next-token logits after them) a KDA checkpoint where the slot's length is a boundary. ``pending``:
+        tokens the slot holds that ``req.tokens`` does not list yet (a speculative round's accepted drafts)."""
         P, B, page = self.prefix, self.prefix.block, self.page_size
         have = req.computed
         nb = have // B
         if nb == 0:
             return
-        extend_hashes(req.hashes, (req.prompt + req.tokens)[:nb * B], B, req.content_keys)
+        extend_hashes(req.hashes, (req.prompt + req.tokens + list(pending))[:nb * B], B, req.content_keys)
         parent = None
         for b in range(1, nb + 1):
             node = P.nodes.get(req.hashes[b - 1])
@@ -170,7 +178,7 @@ class PrefixCaching:
                     if got is None:
                         break
                     old = pages[-1]
-                    self.cache = self._copy_page(self.cache, _i32(old), _i32(got[0]))
+                    self._copy_pages(old, got[0])
                     req.pages[n_pg - 1] = got[0]
                     self.table[req.slot, n_pg - 1] = got[0]
                     take = (old,)

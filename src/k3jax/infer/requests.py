@@ -129,6 +129,12 @@ class Request:
     hit_node: object = None             # the prefix-cache node this admission started from (pinned)
     provisional: object = None          # (node, checkpoint) saved in decode, dropped at the next one
     logits: list | None = None          # next-token logits per generated token (Scheduler(record_logits=True))
+    use_speculative: bool = True        # False: plain decode even when the scheduler speculates
+    spec: object = None                 # its AcceptanceTracker (speculative decoding)
+    ngram: object = None                # its prompt-lookup index (NgramIndex)
+    draft_len: int = 0                  # tokens the draft model holds for it (draft-model speculation)
+    spec_drafted: int = 0               # tokens drafted for it / accepted
+    spec_accepted: int = 0
     _q: queue.Queue | None = None
 
     @property

@@ -21,15 +21,12 @@ def check_sampling(temperature: float, top_k: int | None, top_p: float | None, m
         raise SamplingError(f"max_new_tokens: expected an integer ≥ 0, got {max_new_tokens!r}")
 
 
-def sample_next(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_k: jax.Array,
-                top_p: jax.Array) -> jax.Array:
-    """``logits [B, V]`` → token ids ``[B]`` int32.
-
-    ``temperature`` 0 → argmax; otherwise softmax(logits / T) restricted to the ``top_k`` largest (0 = all) and to
-    the smallest set whose probability reaches ``top_p`` (1 = all), then one categorical draw per row."""
+def filtered_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """``logits [B, V]`` → ``logits / T`` with every token outside the ``top_k`` largest (0 = all) and outside the
+    smallest set whose probability reaches ``top_p`` (1 = all) set to −inf: the distribution a temperature > 0
+    draw samples from (``softmax`` of it)."""
     logits = logits.astype(jnp.float32)
     V = logits.shape[-1]
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     x = logits / jnp.maximum(temperature, 1e-6)
     srt = jnp.sort(x, axis=-1)[:, ::-1]                                          # descending
     k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
@@ -38,9 +35,25 @@ def sample_next(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_k
     before = jnp.cumsum(p, axis=-1) - p                                          # mass strictly above each entry
     keep_sorted = (before < top_p) | (jnp.arange(V) == 0)
     pth = jnp.min(jnp.where(keep_sorted, srt, jnp.inf), axis=-1)                 # smallest kept logit
-    x = jnp.where((x >= kth[:, None]) & (x >= pth[:, None]), x, -jnp.inf)
-    drawn = jax.random.categorical(key, x, axis=-1).astype(jnp.int32)
-    return jnp.where(temperature > 0, drawn, greedy)
+    return jnp.where((x >= kth[:, None]) & (x >= pth[:, None]), x, -jnp.inf)
+
+
+def sample_next(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_k: jax.Array,
+                top_p: jax.Array) -> jax.Array:
+    """``logits [B, V]`` → token ids ``[B]`` int32.
+
+    ``temperature`` 0 → argmax; otherwise one categorical draw per row from :func:`filtered_logits`."""
+    greedy = jnp.argmax(logits.astype(jnp.float32), axis=-1).astype(jnp.int32)
+    drawn = jax.random.categorical(key, filtered_logits(logits, temperature, top_k, top_p), axis=-1)
+    return jnp.where(temperature > 0, drawn.astype(jnp.int32), greedy)
+
+
+def sampling_probs(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """The distribution :func:`sample_next` draws from, ``[B, V]`` fp32: one-hot at the argmax when ``temperature``
+    is 0, else ``softmax`` of :func:`filtered_logits`."""
+    greedy = jax.nn.one_hot(jnp.argmax(logits.astype(jnp.float32), axis=-1), logits.shape[-1], dtype=jnp.float32)
+    return jnp.where(temperature > 0, jax.nn.softmax(filtered_logits(logits, temperature, top_k, top_p), axis=-1),
+                     greedy)
 
 
 def sample_rows(logits: jax.Array, seeds: jax.Array, counters: jax.Array, temperature: jax.Array,

@@ -44,6 +44,8 @@ from k3jax.infer.prefix_slots import PrefixCaching
 from k3jax.infer.requests import (_DECODE, _DONE, _PREFILL, _WAITING, PageAllocator, QueueFull, Request,
                                   RequestError, SamplingParams, TokenEvent, _dev, _i32)
 from k3jax.infer.sampling import SamplingError, sample_rows
+from k3jax.infer.spec_slots import SpeculativeDecoding, slot_chunk
+from k3jax.infer.speculative import SpecConfig
 from k3jax.nn.cache import Cache, KDACache, init_paged_cache, page_bytes, slot_state_bytes
 from k3jax.nn.model import K3ForCausalLM
 
@@ -73,7 +75,7 @@ def prefill_buckets(chunk: int) -> tuple[int, ...]:
     return tuple(sorted(out))
 
 
-class Scheduler(PrefixCaching):
+class Scheduler(PrefixCaching, SpeculativeDecoding):
     """Continuous batching for a :class:`K3ForCausalLM` (see the module docstring).
 
     ``max_slots`` decode slots; ``max_model_len`` longest prompt + generation; ``page_size`` tokens per MLA page;
@@ -87,14 +89,21 @@ class Scheduler(PrefixCaching):
     boundary, branch points and the end of each turn), ``prefix_cache_memory`` bytes for checkpoints and cached
     pages together (default: the page pool plus one checkpoint per slot); ``prefix_verify`` recomputes every hit
     from scratch and compares (a debug mode: a mismatch is logged, counted and the request recomputed without the
-    cache). ``record_logits`` keeps each request's next-token logits per generated token (``Request.logits``)."""
+    cache). ``record_logits`` keeps each request's next-token logits per generated token (``Request.logits``).
+
+    Speculative decoding (:mod:`k3jax.infer.spec_slots`): ``speculative`` is a :class:`SpecConfig` or its text
+    (``"ngram:4"``, ``"draft:PATH:4"``); ``draft_model`` a loaded draft (else PATH is loaded); ``drafter(request,
+    n)`` replaces prompt lookup with another host-side proposer (at most n tokens). Requests submitted with
+    ``use_speculative=False`` decode plainly."""
 
     def __init__(self, model: K3ForCausalLM, *, max_slots: int = 8, max_model_len: int | None = None,
                  page_size: int = 64, num_pages: int | None = None, kv_cache_memory: int | None = None,
                  chunk: int = 256, max_step_tokens: int | None = None, max_queue: int = 256,
                  eos_token_ids: Sequence[int] | None = None, prefix_cache: bool = True,
                  prefix_cache_memory: int | None = None, prefix_block: int = 512, prefix_stride: int = 4,
-                 prefix_verify: bool = False, record_logits: bool = False):
+                 prefix_verify: bool = False, record_logits: bool = False,
+                 speculative: SpecConfig | str | None = None, draft_model: K3ForCausalLM | None = None,
+                 drafter: Callable[[Request, int], Sequence[int]] | None = None):
         cfg = model.config
         self.model, self.cfg = model, cfg
         self.max_slots = int(max_slots)
@@ -155,21 +164,17 @@ class Scheduler(PrefixCaching):
                          "requests_finished": 0}
         self.finish_hooks: list[Callable[[Request], None]] = []  # called on the scheduler thread (server metrics)
         self.step_hooks: list[Callable[[], None]] = []           # after every step, on its thread (invariant checks)
+        self._init_speculative(speculative, draft_model, drafter)
 
     # --------------------------------------------------------------------------------------------- jitted
     def _prefill_impl(self, state, cache, table, lengths, slot, ids, n, samp):
         """One chunk ``ids [1, C]`` (first ``n`` real) of slot ``slot`` starting at ``lengths[slot]``; a slot at
         length 0 starts from a zero KDA state. Returns (token sampled from the chunk's last real logits, cache)."""
         self.traces["prefill"] += 1                           # runs at trace time only: counts compilations
-        cache = Cache(cache.layers, lengths).with_page_table(table)
-        row = cache.read_slots(slot)
-        fresh = row.lengths[0] == 0
-        row = Cache(tuple(jax.tree.map(lambda x: jnp.where(fresh, jnp.zeros((), x.dtype), x), c)
-                          if isinstance(c, KDACache) else c for c in row.layers), row.lengths)
-        out = nnx.merge(self.graphdef, state)(ids, cache=row, n_new=jnp.reshape(n, (1,)))
+        out, cache = slot_chunk(nnx.merge(self.graphdef, state), cache, table, lengths, slot, ids, n)
         last = jax.lax.dynamic_index_in_dim(out.logits[0], jnp.maximum(n - 1, 0), 0, keepdims=True)
         tok = sample_rows(last, *[jnp.reshape(s, (1,)) for s in samp])
-        return tok[0], last[0], cache.write_slots(slot, out.cache)
+        return tok[0], last[0], cache
 
     def _decode_impl(self, state, cache, table, lengths, slot_ids, tokens, active, samp):
         """One token for each of the slots ``slot_ids [b]`` (``tokens [b]`` at their ``lengths``; rows with
@@ -211,7 +216,11 @@ class Scheduler(PrefixCaching):
             tok, _, self.cache = self._decode(self.state, self.cache, table, lengths, jnp.arange(b, dtype=jnp.int32),
                                            jnp.zeros(b, jnp.int32), jnp.zeros(b, bool), self._samp_arrays([None] * b))
         tok.block_until_ready()
-        return {"prefill": [[1, C] for C in self.buckets], "decode": [[b, 1] for b in self.decode_sizes]}
+        self._warm_speculative()
+        shapes = {"prefill": [[1, C] for C in self.buckets], "decode": [[b, 1] for b in self.decode_sizes]}
+        if self.spec is not None:
+            shapes["speculative"] = [[b, self.spec.k + 1] for b in self.decode_sizes]
+        return shapes
 
     # ------------------------------------------------------------------------------------------- public API
     def start(self) -> "Scheduler":
@@ -247,11 +256,13 @@ class Scheduler(PrefixCaching):
 
     def submit(self, prompt: Sequence[int], params: SamplingParams | None = None, *,
                callback: Callable[[TokenEvent], None] | None = None, request_id: str | None = None,
-               use_prefix_cache: bool = True, content_keys: Sequence[tuple[int, bytes]] = ()) -> Request:
+               use_prefix_cache: bool = True, content_keys: Sequence[tuple[int, bytes]] = (),
+               use_speculative: bool = True) -> Request:
         """Queue a request (it joins the batch at the next step). Raises :class:`RequestError` for a request that
         can never run and :class:`QueueFull` when ``max_queue`` requests are waiting. ``use_prefix_cache=False``:
         neither reuses nor adds cached prefixes; ``content_keys``: ``(position, digest bytes)`` of inputs that are
-        not token ids (image content), hashed into the prefix cache's key of the block holding the position."""
+        not token ids (image content), hashed into the prefix cache's key of the block holding the position;
+        ``use_speculative=False``: plain decode for this request when the scheduler speculates."""
         params = params or SamplingParams()
         ids = self.check(prompt, params)
         keys = []
@@ -267,6 +278,7 @@ class Scheduler(PrefixCaching):
         req = Request(id=request_id or f"req-{next(self._ids)}", prompt=ids, params=params, stops=stops, seed=seed,
                       callback=callback, sequence=list(ids), arrival=time.perf_counter(),
                       use_prefix_cache=bool(use_prefix_cache), content_keys=tuple(sorted(keys)),
+                      use_speculative=bool(use_speculative),
                       logits=[] if self.record_logits else None)
         if callback is None:
             req._q = queue.Queue()
@@ -314,7 +326,8 @@ class Scheduler(PrefixCaching):
                 "free_pages": self.alloc.free, "num_pages": self.num_pages, "page_size": self.page_size,
                 "queue_length": len(self.waiting) + sum(1 for k, _ in list(self._inbox) if k == "submit"),
                 "compiles": dict(self.traces), **self.counters,
-                "prefix": self.prefix.snapshot() if self.prefix is not None else None}
+                "prefix": self.prefix.snapshot() if self.prefix is not None else None,
+                "spec": self.spec_snapshot()}
 
     def memory(self) -> dict:
         """Bytes of the slot pool: KDA state per slot, MLA latent per token and per page, and the totals."""
@@ -325,6 +338,7 @@ class Scheduler(PrefixCaching):
                "total_bytes": per_slot * self.max_slots + self.token_bytes * self.page_size * self.num_pages}
         if self.prefix is not None:
             out.update(prefix_checkpoint_bytes=self.checkpoint_bytes, prefix_budget_bytes=self.prefix.budget)
+        out.update(self.spec_memory())
         return out
 
     # ------------------------------------------------------------------------------------------------ loop
@@ -401,6 +415,7 @@ class Scheduler(PrefixCaching):
             req.slot, req.pages, req.state, req.computed = slot, pages, _PREFILL, hit
             req.admitted = next(self._admit_seq)
             req.hit_node = node
+            req.draft_len = 0                               # a draft model starts over in this slot
             self.slots[slot] = req
             self.table[slot] = 0
             self.table[slot, :len(pages)] = pages
@@ -548,13 +563,18 @@ class Scheduler(PrefixCaching):
         b = next(x for x in self.decode_sizes if x >= len(live))
         idle = [i for i in range(self.max_slots) if i not in set(live)]
         slot_ids = live + idle[: b - len(live)]
+        if self.spec is not None and self._speculate(live, b, slot_ids):
+            return
         reqs = [self.slots[i] for i in live] + [None] * (b - len(live))
+        t0 = time.perf_counter()
         tokens = np.array([r.tokens[-1] if r is not None else 0 for r in reqs], np.int32)
         active = np.array([r is not None for r in reqs])
         out, logits, self.cache = self._decode(self.state, self.cache, _dev(self.table), _dev(self.lengths),
                                                _dev(np.array(slot_ids, np.int32)), _dev(tokens), _dev(active),
                                                self._samp_arrays(reqs))
         out = np.asarray(out)
+        if self.spec is not None:
+            self._observe(("decode", b), time.perf_counter() - t0)
         host_logits = np.array(logits) if self.record_logits else None
         self.counters["decode_steps"] += 1
         self.counters["decode_rows"] += len(live)

@@ -8,6 +8,9 @@
 * :class:`PagedMLACache` — the same content in a pool of fixed-size pages shared by every slot
   (``c_kv [P, page, R]``, ``k_r [P, page, Dr]``) and a page table ``[B, max_pages]`` per slot (the server's layout:
   memory follows the tokens held, not ``B × L``).
+* :class:`KDAPending` — what a KDA layer returns from a recording forward (speculative verification): the state
+  and windows before the chunk and the chunk's per-token inputs (:class:`KDARecord`); :meth:`Cache.accept` keeps
+  a prefix of the chunk by replaying it, so a slot holds one state plus T recorded inputs, not T states.
 * :class:`Cache` — the model's: ``layers`` (one of the above per decoder layer) and ``lengths [B]`` int32, the
   tokens each slot holds (the position of its next token). AttnRes mixes blocks of one token only: no cache.
 
@@ -25,6 +28,7 @@ import jax.numpy as jnp
 
 from k3jax.config import K3Config
 from k3jax.ops.attention import mla_latent_attention, mla_paged_latent_attention
+from k3jax.ops.kda import conv_window_advance, kda_replay
 
 
 def _slot_ids(slots) -> jax.Array:
@@ -69,6 +73,45 @@ class KDACache(_SlotRows):
     @property
     def windows(self) -> tuple[jax.Array, jax.Array, jax.Array]:
         return self.conv_q, self.conv_k, self.conv_v
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KDARecord:
+    """A KDA layer's per-token inputs over a chunk of T tokens — what rebuilds its state and conv windows after any
+    prefix of the chunk: the key (after conv, silu and L2 norm) ``k [B, T, H, K]``, the value ``v [B, T, H, V]``,
+    the activated log-decay ``g [B, T, H, K]`` and ``beta [B, T, H]`` (both zero at padding tokens), and the
+    projected inputs of the three short convs ``x_q, x_k, x_v [B, T, H·K]`` (before the conv)."""
+
+    k: jax.Array
+    v: jax.Array
+    g: jax.Array
+    beta: jax.Array
+    x_q: jax.Array
+    x_k: jax.Array
+    x_v: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KDAPending:
+    """A KDA layer's cache after a recording forward: the state and windows ``before`` the chunk and the chunk's
+    ``record``. :meth:`accept` gives the :class:`KDACache` after its first ``n[b]`` tokens."""
+
+    before: KDACache
+    record: KDARecord
+
+    def accept(self, n: jax.Array) -> KDACache:
+        """``n [B]`` int in ``[0, T]``: the state replayed over the first n tokens (:func:`kda_replay`), each conv
+        window advanced by their inputs (:func:`conv_window_advance`)."""
+        r, b = self.record, self.before
+        n = jnp.asarray(n, jnp.int32)
+        return KDACache(kda_replay(b.state, r.k, r.v, r.g, r.beta, n).astype(b.state.dtype),
+                        *(conv_window_advance(w, x, n) for w, x in zip(b.windows, (r.x_q, r.x_k, r.x_v))))
+
+    @property
+    def batch(self) -> int:
+        return self.before.batch
 
 
 @jax.tree_util.register_dataclass
@@ -181,7 +224,7 @@ class PagedMLACache:
                                           scale)
 
 
-LayerCache = Union[KDACache, MLACache, PagedMLACache]
+LayerCache = Union[KDACache, MLACache, PagedMLACache, KDAPending]
 
 
 @jax.tree_util.register_dataclass
@@ -240,6 +283,23 @@ class Cache:
         return Cache(tuple(layers), self.lengths + n_new.astype(self.lengths.dtype))
 
     @property
+    def pending(self) -> bool:
+        """Whether this is a recording forward's cache (KDA layers :class:`KDAPending`, lengths not advanced)."""
+        return any(isinstance(c, KDAPending) for c in self.layers)
+
+    def accept(self, n: jax.Array) -> "Cache":
+        """Keep the first ``n[b]`` tokens of the chunk a recording forward (``model(…, kda_record=True)``) ran on
+        each slot: KDA layers replay them from the state before the chunk, MLA layers keep what they appended (the
+        latents past ``lengths + n`` are masked by the length and overwritten later); lengths advance by n."""
+        n = jnp.asarray(n, jnp.int32)
+        return Cache(tuple(c.accept(n) if isinstance(c, KDAPending) else c for c in self.layers),
+                     self.lengths + n.astype(self.lengths.dtype))
+
+    def kda_records(self) -> tuple[KDARecord, ...]:
+        """The records of a pending cache's KDA layers (layer order)."""
+        return tuple(c.record for c in self.layers if isinstance(c, KDAPending))
+
+    @property
     def capacity(self) -> int:
         """Token capacity of one slot's MLA caches (0 for a model without MLA layers)."""
         return next((c.capacity for c in self.layers if isinstance(c, (MLACache, PagedMLACache))), 0)
@@ -270,10 +330,11 @@ def init_paged_cache(cfg: K3Config, slots: int, num_pages: int, page_size: int, 
     the allocator fills it)."""
     dt = jnp.dtype(cfg.dtype)
     max_pages = -(-max_len // page_size)
-    table = jnp.zeros((slots, max_pages), jnp.int32)
+    # a table per layer: one buffer shared by several leaves could not be donated to a jitted step
     layers = [_kda_layer_cache(cfg, slots) if kind == "kda" else
               PagedMLACache(jnp.zeros((num_pages, page_size, cfg.kv_lora_rank), dt),
-                            jnp.zeros((num_pages, page_size, cfg.qk_rope_head_dim), dt), table)
+                            jnp.zeros((num_pages, page_size, cfg.qk_rope_head_dim), dt),
+                            jnp.zeros((slots, max_pages), jnp.int32))
               for kind in cfg.layer_types]
     return Cache(tuple(layers), jnp.zeros((slots,), jnp.int32))
 
@@ -289,6 +350,18 @@ def slot_state_bytes(cfg: K3Config) -> int:
     """Bytes of one slot's constant-size KDA part (recurrent state fp32 + conv windows) over all KDA layers."""
     c = _kda_layer_cache(cfg, 1)
     return sum(1 for k in cfg.layer_types if k == "kda") * sum(x.nbytes for x in jax.tree.leaves(c))
+
+
+def kda_record_bytes(cfg: K3Config, T: int) -> int:
+    """Bytes of one slot's :class:`KDARecord` over all KDA layers for a chunk of ``T`` tokens: per token and layer
+    the key and log-decay ``H·K`` each and β ``H`` in fp32, the value ``H·V`` and the three conv inputs ``3·H·K``
+    in the activation dtype."""
+    lac = cfg.linear_attn_config
+    H, D = lac.num_heads, lac.head_dim
+    act = jnp.dtype(cfg.dtype).itemsize
+    f32 = jnp.dtype(jnp.promote_types(cfg.dtype, jnp.float32)).itemsize
+    per_token = (2 * H * D + H) * f32 + (H * D + 3 * H * D) * act
+    return sum(1 for k in cfg.layer_types if k == "kda") * T * per_token
 
 
 def cache_bytes(cache: Cache, context: int | None = None) -> dict[str, int]:

@@ -10,9 +10,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.config import K3Config
-from k3jax.nn.cache import KDACache
+from k3jax.nn.cache import KDACache, KDAPending, KDARecord
 from k3jax.nn.layers import KeyGen, Proj, param
-from k3jax.ops.kda import causal_conv1d, kda_gate_lower_bound, kda_gate_softplus, kda_recurrent, kda_step
+from k3jax.ops.kda import (causal_conv1d, conv_window_advance, kda_gate_lower_bound, kda_gate_softplus,
+                           kda_recurrent, kda_step)
 from k3jax.ops.kda_chunked import kda_chunked
 from k3jax.ops.norm import gated_rms_norm, l2_norm
 from k3jax.ops.precision import acc_dtype
@@ -66,22 +67,17 @@ class KDAttention(nnx.Module):
         return kda_gate_softplus(f, self.dt_bias[...], self.A_log[...])
 
     def conv_branch(self, proj: Proj, w: nnx.Param, x: jax.Array, window: jax.Array | None,
-                    reset: jax.Array | None, n_new: jax.Array | None) -> tuple[jax.Array, jax.Array | None]:
+                    reset: jax.Array | None) -> tuple[jax.Array, jax.Array]:
         """Projection → depthwise causal conv (continuing ``window [B, W−1, P]`` when given) → silu, as heads
-        ``[B, T, nh, hd]``; with a window also the new one: the last W−1 real inputs (row b has ``n_new[b]``)."""
+        ``[B, T, nh, hd]``; also the projected inputs ``[B, T, P]`` (what the next conv window is made of)."""
         B, T, _ = x.shape
         u = proj(x).reshape(B, T, self.num_heads * self.head_dim)
         y, _ = causal_conv1d(u, w[...], state=window, reset=reset)
-        y = y.reshape(B, T, self.num_heads, self.head_dim)
-        if window is None:
-            return y, None
-        xp = jnp.concatenate([window, u.astype(window.dtype)], axis=1)                # [B, W−1+T, P]
-        keep = n_new[:, None] + jnp.arange(window.shape[1])[None, :]
-        return y, jnp.take_along_axis(xp, keep[:, :, None], axis=1)
+        return y.reshape(B, T, self.num_heads, self.head_dim), u
 
     def __call__(self, x: jax.Array, *, cache: KDACache | None = None, n_new: jax.Array | None = None,
-                 segment_ids: jax.Array | None = None, kernel: str = "chunked"
-                 ) -> tuple[jax.Array, KDACache | None]:
+                 segment_ids: jax.Array | None = None, kernel: str = "chunked", record: bool = False
+                 ) -> tuple[jax.Array, KDACache | KDAPending | None]:
         """``x [B, T, hidden]`` → ``(y [B, T, hidden], new cache or None)``.
 
         Without a cache: the whole sequence from a zero state (training / one-shot prefill). With ``cache``
@@ -89,19 +85,27 @@ class KDAttention(nnx.Module):
         row b are real — padding leaves the state alone (decay 0 and β = 0 there; the window keeps the last W−1
         real inputs). T = 1 with a cache runs :func:`kda_step`. ``segment_ids [B, T]``: packed documents; state
         and conv windows restart where the id changes. ``kernel``: ``"chunked"`` or ``"recurrent"`` (reference).
+
+        ``record=True`` (speculative verification, needs ``cache``): the outputs of all T tokens, but the cache
+        comes back as a :class:`KDAPending` — the state and windows *before* the chunk and the chunk's per-token
+        inputs (:class:`KDARecord`), from which :meth:`KDAPending.accept` rebuilds the state after any prefix of
+        it, instead of a state per position. The outputs come from the token-by-token recurrence (T is a draft
+        length + 1), the same arithmetic as decode.
         """
         B, T, _ = x.shape
         if kernel not in ("chunked", "recurrent"):
             raise ValueError(f"kernel: expected 'chunked' or 'recurrent', got {kernel!r}")
+        if record and (cache is None or segment_ids is not None):
+            raise ValueError("record: needs a cache and no segment_ids (it verifies a continuation of each slot)")
         if cache is not None and n_new is None:
             n_new = jnp.full((B,), T, jnp.int32)
         reset = None
         if segment_ids is not None:
             reset = jnp.concatenate([jnp.zeros((B, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
         wq, wk, wv = (None, None, None) if cache is None else cache.windows
-        q, wq = self.conv_branch(self.q_proj, self.q_conv1d, x, wq, reset, n_new)
-        k, wk = self.conv_branch(self.k_proj, self.k_conv1d, x, wk, reset, n_new)
-        v, wv = self.conv_branch(self.v_proj, self.v_conv1d, x, wv, reset, n_new)
+        q, uq = self.conv_branch(self.q_proj, self.q_conv1d, x, wq, reset)
+        k, uk = self.conv_branch(self.k_proj, self.k_conv1d, x, wk, reset)
+        v, uv = self.conv_branch(self.v_proj, self.v_conv1d, x, wv, reset)
         q, k = l2_norm(q), l2_norm(k)
         g = self.gate(x)
         beta = jax.nn.sigmoid(self.b_proj(x).astype(acc_dtype(x)))
@@ -111,8 +115,8 @@ class KDAttention(nnx.Module):
             g = jnp.where(valid[..., None, None], g, 0.0)
             beta = jnp.where(valid[..., None], beta, 0.0)
             S0 = cache.state
-        want_state = cache is not None
-        if kernel == "recurrent":
+        want_state = cache is not None and not record
+        if kernel == "recurrent" or (record and T > 1):
             o, S = kda_recurrent(q, k, v, g, beta, initial_state=S0, output_final_state=want_state, reset=reset)
         elif T == 1 and S0 is not None and reset is None:
             o, S = kda_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], S0)
@@ -122,4 +126,10 @@ class KDAttention(nnx.Module):
                                safe_gate=self.gate_kind == "lower_bound", reset=reset)
         gate = self.g_proj(x) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x))
         o = gated_rms_norm(o.astype(x.dtype), gate, self.o_norm[...], self.eps)
-        return self.o_proj(o), (KDACache(S, wq, wk, wv) if cache is not None else None)
+        if cache is None:
+            new = None
+        elif record:
+            new = KDAPending(cache, KDARecord(k, v, g, beta, uq, uk, uv))
+        else:
+            new = KDACache(S, *(conv_window_advance(w, u, n_new) for w, u in ((wq, uq), (wk, uk), (wv, uv))))
+        return self.o_proj(o), new

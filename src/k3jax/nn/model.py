@@ -57,7 +57,7 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x: jax.Array, blocks: list[jax.Array], *, cache: LayerCache | None = None,
                  pos: jax.Array | None = None, n_new: jax.Array | None = None,
                  segment_ids: jax.Array | None = None, kda_kernel: str = "chunked", moe_grouped: bool = True,
-                 ep: ExpertParallel | None = None, router_scores: bool = False
+                 ep: ExpertParallel | None = None, router_scores: bool = False, kda_record: bool = False
                  ) -> tuple[jax.Array, list[jax.Array], LayerCache | None, RoutingStats | None]:
         """Spec §2 steps 1–8: AttnRes reads (or a plain residual), attention, then the FFN.
 
@@ -67,7 +67,8 @@ class DecoderLayer(nnx.Module):
         def attend(a: jax.Array) -> tuple[jax.Array, LayerCache | None]:
             h = self.input_layernorm(a)
             if self.kind == "kda":
-                return self.self_attn(h, cache=cache, n_new=n_new, segment_ids=segment_ids, kernel=kda_kernel)
+                return self.self_attn(h, cache=cache, n_new=n_new, segment_ids=segment_ids, kernel=kda_kernel,
+                                      record=kda_record)
             return self.self_attn(h, cache=cache, pos=pos, n_new=n_new, segment_ids=segment_ids)
 
         def ffn(m: jax.Array) -> tuple[jax.Array, RoutingStats | None]:
@@ -146,7 +147,8 @@ class K3ForCausalLM(nnx.Module):
 
     def __call__(self, input_ids: jax.Array, *, cache: Cache | None = None, n_new: jax.Array | None = None,
                  segment_ids: jax.Array | None = None, kda_kernel: str = "chunked", moe_grouped: bool = True,
-                 ep: ExpertParallel | None = None, router_scores: bool = False) -> CausalLMOutput:
+                 ep: ExpertParallel | None = None, router_scores: bool = False,
+                 kda_record: bool = False) -> CausalLMOutput:
         """Logits ``[B, T, vocab]`` and per-MoE-layer expert token counts.
 
         * ``cache=None``: whole sequences (training, one-shot scoring); ``segment_ids [B, T]`` marks packed
@@ -157,10 +159,16 @@ class K3ForCausalLM(nnx.Module):
         * ``ep``: routed experts over a mesh's expert axis (:class:`k3jax.parallel.ep.ExpertParallel`);
           ``kda_kernel="recurrent"`` / ``moe_grouped=False`` run the slow references;
           ``router_scores=True`` adds each MoE layer's router scores (what Quantile Balancing solves from).
+        * ``kda_record=True`` (with ``cache``; speculative verification): ``out.cache`` is *pending* — each KDA
+          layer a :class:`~k3jax.nn.cache.KDAPending` (state before the chunk + the chunk's per-token inputs), MLA
+          layers with the chunk appended, lengths not advanced; ``out.cache.accept(n)`` keeps the first ``n[b]``
+          tokens of each row.
         """
         input_ids = jnp.asarray(input_ids)
         if input_ids.ndim != 2 or not jnp.issubdtype(input_ids.dtype, jnp.integer):
             raise ValueError(f"input_ids: expected integer ids of shape [B, T], got {input_ids.dtype}{input_ids.shape}")
+        if kda_record and cache is None:
+            raise ValueError("kda_record: needs a cache (it verifies a continuation of each slot)")
         if cache is not None:
             if len(cache.layers) != len(self.model.layers):
                 raise ValueError(f"cache: {len(cache.layers)} layer caches for a {len(self.model.layers)}-layer model")
@@ -170,11 +178,12 @@ class K3ForCausalLM(nnx.Module):
                 n_new = jnp.full((input_ids.shape[0],), input_ids.shape[1], jnp.int32)
         h, layers, stats = self.model(input_ids, cache=cache, n_new=n_new, segment_ids=segment_ids,
                                       kda_kernel=kda_kernel, moe_grouped=moe_grouped, ep=ep,
-                                      router_scores=router_scores)
+                                      router_scores=router_scores, kda_record=kda_record)
         E = self.config.num_experts or 0
         counts = jnp.stack([s.counts for s in stats]) if stats else jnp.zeros((0, E), jnp.int32)
         scores = tuple(s.scores for s in stats) if router_scores else None
-        new_cache = cache.advance(layers, n_new) if cache is not None else None
+        new_cache = None if cache is None else (Cache(tuple(layers), cache.lengths) if kda_record
+                                                else cache.advance(layers, n_new))
         return CausalLMOutput(self.head(h), counts, new_cache, scores)
 
     def head(self, h: jax.Array) -> jax.Array:

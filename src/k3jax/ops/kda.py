@@ -11,6 +11,8 @@ Recurrence per head (state ``S ∈ R^{K×V}``, fp32), for t = 1…T::
   solved in parallel, the state carried across them by a ``lax.scan`` (its own module, with its two registered
   implementations).
 * :func:`kda_step` — one token, for decode.
+* :func:`kda_replay` — speculative decoding: the state after the first ``n[b]`` of T recorded tokens (a masked
+  recurrence with a static trip count), and :func:`conv_window_advance` the conv window after them.
 
 All three take fla's convention: ``q, k [B, T, H, K]``, ``v [B, T, H, V]``, ``g [B, T, H, K]`` the activated
 log-decay, ``beta [B, T, H]`` after sigmoid, state ``[B, H, K, V]``; they return ``(o, final_state or None)``.
@@ -78,6 +80,16 @@ def causal_conv1d(x: jax.Array, weight: jax.Array, state: jax.Array | None = Non
     return y.astype(x.dtype), new_state
 
 
+def conv_window_advance(window: jax.Array, x: jax.Array, n: jax.Array) -> jax.Array:
+    """The conv window after the first ``n[b]`` of the new inputs: the last W−1 of ``window ‖ x[b, :n[b]]``.
+
+    ``window [B, W−1, C]`` (the previous W−1 inputs), ``x [B, T, C]`` (projected inputs, before the conv),
+    ``n [B]`` int in ``[0, T]`` → ``[B, W−1, C]`` in ``window.dtype`` (``n = 0`` leaves the window as it was)."""
+    xp = jnp.concatenate([window, x.astype(window.dtype)], axis=1)                    # [B, W−1+T, C]
+    keep = n[:, None] + jnp.arange(window.shape[1])[None, :]
+    return jnp.take_along_axis(xp, keep[:, :, None], axis=1)
+
+
 # ------------------------------------------------------------------------------------- recurrent / step
 def _check(q, k, v, g, beta, initial_state):
     if q.ndim != 4 or k.shape != q.shape or g.shape != q.shape:
@@ -92,13 +104,17 @@ def _check(q, k, v, g, beta, initial_state):
                          f"got {initial_state.shape}")
 
 
-def _step(S: jax.Array, q, k, v, g, beta):
-    """One delta-rule step on fp32 arrays: q, k, g ``[B, H, K]``, v ``[B, H, V]``, beta ``[B, H]``."""
+def _write(S: jax.Array, k, v, g, beta) -> jax.Array:
+    """Decay and delta-rule write of one token on fp32 arrays: k, g ``[B, H, K]``, v ``[B, H, V]``, beta ``[B, H]``."""
     S = S * jnp.exp(g)[..., None]
     pred = _mm("bhk,bhkv->bhv", k, S)
-    S = S + _mm("bhk,bhv->bhkv", beta[..., None] * k, v - pred)
-    o = _mm("bhk,bhkv->bhv", q, S)
-    return S, o
+    return S + _mm("bhk,bhv->bhkv", beta[..., None] * k, v - pred)
+
+
+def _step(S: jax.Array, q, k, v, g, beta):
+    """One delta-rule step on fp32 arrays (write, then read with q ``[B, H, K]``)."""
+    S = _write(S, k, v, g, beta)
+    return S, _mm("bhk,bhkv->bhv", q, S)
 
 
 def kda_step(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, state: jax.Array,
@@ -112,6 +128,29 @@ def kda_step(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.A
     f32 = lambda x: x.astype(a)  # noqa: E731
     S, o = _step(f32(state), f32(q) * scale, f32(k), f32(v), f32(g), f32(beta))
     return o.astype(v.dtype), S
+
+
+def kda_replay(state: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
+               n: jax.Array) -> jax.Array:
+    """The state after the first ``n[b]`` of T recorded tokens, from the state before them (speculative decoding:
+    rebuild the state at the accepted length after verifying T tokens, without a state per position).
+
+    ``state [B, H, K, V]`` fp32, ``k, g [B, T, H, K]`` (k after conv, silu and L2 norm), ``v [B, T, H, V]``,
+    ``beta [B, T, H]``, ``n [B]`` int in ``[0, T]``. The recurrence of :func:`kda_recurrent` over t < n[b]; tokens
+    t ≥ n[b] leave the state unchanged. A static trip count of T (unrolled: T is a draft length + 1, small), so one
+    compiled program serves every n. Returns ``[B, H, K, V]`` fp32."""
+    B, T, H, K = k.shape
+    if state.shape != (B, H, K, v.shape[-1]) or v.shape[:3] != (B, T, H) or g.shape != k.shape \
+            or beta.shape != (B, T, H) or n.shape != (B,):
+        raise ValueError(f"kda_replay: expected state [B, H, K, V], k/g [B, T, H, K], v [B, T, H, V], beta [B, T, H]"
+                         f", n [B]; got state{state.shape} k{k.shape} v{v.shape} g{g.shape} beta{beta.shape} "
+                         f"n{n.shape}")
+    a = acc_dtype(k, v)
+    S = state.astype(a)
+    for t in range(T):
+        S_next = _write(S, k[:, t].astype(a), v[:, t].astype(a), g[:, t].astype(a), beta[:, t].astype(a))
+        S = jnp.where((t < n)[:, None, None, None], S_next, S)
+    return S
 
 
 def kda_recurrent(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
