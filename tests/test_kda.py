@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from conftest import fla_naive_module
-from k3jax.ops.kda import causal_conv1d, kda_gate_lower_bound, kda_gate_softplus, kda_recurrent, kda_step
+from k3jax.ops.kda import (causal_conv1d, conv_window_advance, kda_gate_lower_bound, kda_gate_softplus, kda_recurrent,
+                           kda_replay, kda_step)
 from k3jax.ops.kda_chunked import KDA_CHUNKED_IMPLS, kda_chunked
 from k3jax.ops.norm import l2_norm
 
@@ -105,6 +106,39 @@ def test_causal_conv_matches_numpy_and_carries_state(rng):
     y2, _ = causal_conv1d(jnp.asarray(x[:, 6:]), jnp.asarray(w), s1)
     yfull, _ = causal_conv1d(jnp.asarray(x), jnp.asarray(w))
     np.testing.assert_allclose(jnp.concatenate([y1, y2], 1), yfull, rtol=1e-6, atol=1e-6)
+
+
+def test_replay_of_each_prefix_equals_fla(rng):
+    """Speculative replay: the state after the first n of T recorded tokens (n different per row, every n from 0 to
+    T) equals fla's ``naive_recurrent_kda`` run over exactly those n tokens from the same initial state."""
+    import torch
+
+    T = 5
+    q, k, v, g, beta, s0 = make_inputs(rng, T, "lower_bound", B=T + 1, init=True)
+    n = np.arange(T + 1, dtype=np.int32)                          # row b keeps b tokens
+    got = kda_replay(s0, k, v, g, beta, jnp.asarray(n))
+    t = lambda x: torch.from_numpy(np.array(x, np.float32))  # noqa: E731
+    for b in range(T + 1):
+        want = np.array(s0[b])
+        if n[b]:
+            _, S = fla_naive().naive_recurrent_kda(*(t(a[b:b + 1, :n[b]]) for a in (q, k, v, g, beta)),
+                                                   initial_state=t(s0[b:b + 1]), output_final_state=True)
+            want = S.numpy()[0]
+        assert rel(got[b], jnp.asarray(want)) < 1e-5, b
+    with pytest.raises(ValueError, match="kda_replay"):
+        kda_replay(s0, k, v, g, beta, jnp.zeros((2,), jnp.int32))
+
+
+def test_conv_window_advance_keeps_the_last_inputs(rng):
+    B, T, C, W = 3, 4, 5, 4
+    win = rng.normal(size=(B, W - 1, C)).astype(np.float32)
+    x = rng.normal(size=(B, T, C)).astype(np.float32)
+    n = np.array([0, 1, 4], np.int32)
+    got = np.asarray(conv_window_advance(jnp.asarray(win), jnp.asarray(x), jnp.asarray(n)))
+    for b in range(B):
+        np.testing.assert_array_equal(got[b], np.concatenate([win[b], x[b, :n[b]]])[-(W - 1):])
+    _, full = causal_conv1d(jnp.asarray(x), jnp.asarray(rng.normal(size=(C, W)), jnp.float32), jnp.asarray(win))
+    np.testing.assert_array_equal(got[2], np.asarray(full)[2])       # all T kept: the conv's own new window
 
 
 def test_bad_shapes_are_named():

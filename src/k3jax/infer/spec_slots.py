@@ -38,8 +38,8 @@ import numpy as np
 from flax import nnx
 
 from k3jax.infer.requests import _DECODE, Request, _dev, _i32
-from k3jax.infer.speculative import (AcceptanceTracker, NgramIndex, SpecConfig, emitted_tokens, row_key, row_probs,
-                                     speculative_accept)
+from k3jax.infer.speculative import (AcceptanceTracker, NgramIndex, SpecConfig, emitted_tokens, row_probs,
+                                     speculative_accept, token_key)
 from k3jax.nn.cache import Cache, KDACache, KDAPending, KDARecord, init_paged_cache, kda_record_bytes, slot_state_bytes
 
 log = logging.getLogger("k3jax.scheduler")
@@ -106,8 +106,7 @@ class SpeculativeDecoding:
         ids = jnp.concatenate([tokens[:, None], drafts], axis=1)
         n_new = jnp.where(active, n_draft + 1, 0).astype(jnp.int32)
         out = nnx.merge(self.graphdef, state)(ids, cache=rows, n_new=n_new, kda_record=True)
-        base = jax.vmap(row_key)(seeds, ctr)
-        n_acc, tok = speculative_accept(out.logits, drafts, n_draft, draft_probs, base, temp, tk, tp)
+        n_acc, tok = speculative_accept(out.logits, drafts, n_draft, draft_probs, seeds, ctr, temp, tk, tp)
         n_keep = jnp.where(active, n_acc + 1, 0).astype(jnp.int32)
         return (emitted_tokens(drafts, n_acc, tok), n_keep, out.logits,
                 cache.write_slots(slot_ids, out.cache.accept(n_keep)))
@@ -126,7 +125,6 @@ class SpeculativeDecoding:
         dc = Cache(dcache.layers, lengths).with_page_table(table)
         drows = dc.read_slots(slot_ids)
         draft = nnx.merge(self.dgraph, dstate)
-        base = jax.vmap(row_key)(seeds, ctr)
 
         drafting = active & (n_draft > 0)            # a slot without drafts leaves the draft alone (it catches up)
 
@@ -136,7 +134,8 @@ class SpeculativeDecoding:
             out = draft(tok[:, None], cache=work, n_new=act, kda_record=True)
             lg = out.logits[:, 0].astype(jnp.float32)
             q = row_probs(lg[:, None], temp, tk, tp)[:, 0]                               # [b, V]
-            keys = jax.vmap(lambda kk: jax.random.fold_in(kk, 2 + t))(base)
+            # step t drafts the row's token number ctr + 1 + t; its own stream (fold_in 2) beside the target's
+            keys = jax.vmap(lambda s_, c: jax.random.fold_in(token_key(s_, c + 1 + t), 2))(seeds, ctr)
             drawn = jax.vmap(lambda kk, d: jax.random.categorical(kk, jnp.log(d)))(keys, q).astype(jnp.int32)
             d = jnp.where(temp > 0, drawn, jnp.argmax(lg, axis=-1).astype(jnp.int32))
             return (out.cache.accept(act), d), (d, q, out.cache.kda_records())

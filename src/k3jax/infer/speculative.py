@@ -27,68 +27,74 @@ from dataclasses import dataclass, field
 import jax
 import jax.numpy as jnp
 
-from k3jax.infer.sampling import sampling_probs
+from k3jax.infer.sampling import filtered_logits, sampling_probs
 
 
 # ------------------------------------------------------------------------------------------- acceptance (device)
-def row_key(seed: jax.Array, counter: jax.Array) -> jax.Array:
-    """The key of one row's round: ``fold_in(key(seed), counter)`` as plain sampling uses for its next token."""
-    return jax.random.fold_in(jax.random.key(seed), counter)
+def token_key(seed: jax.Array, index: jax.Array) -> jax.Array:
+    """The key of a row's token ``index``: ``fold_in(key(seed), index)``, as plain sampling draws that token with."""
+    return jax.random.fold_in(jax.random.key(seed), index)
+
+
+def row_filtered(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """``logits [B, T, V]`` with per-row settings ``[B]`` → :func:`~k3jax.infer.sampling.filtered_logits` per row."""
+    return jax.vmap(filtered_logits)(logits, temperature, top_k, top_p)
 
 
 def row_probs(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     """``logits [B, T, V]`` with per-row settings ``[B]`` → sampling distributions ``[B, T, V]`` fp32."""
-    return jax.vmap(lambda lg, t, k, p: sampling_probs(lg, t, k, p))(logits, temperature, top_k, top_p)
+    return jax.vmap(sampling_probs)(logits, temperature, top_k, top_p)
 
 
 def speculative_accept(logits: jax.Array, drafts: jax.Array, n_draft: jax.Array, draft_probs: jax.Array | None,
-                       keys: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array
-                       ) -> tuple[jax.Array, jax.Array]:
+                       seeds: jax.Array, counters: jax.Array, temperature: jax.Array, top_k: jax.Array,
+                       top_p: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Accept a prefix of each row's drafts and draw the token after it.
 
     ``logits [B, k+1, V]``: the target's logits after the last accepted token (t = 0) and after each draft;
     ``drafts [B, k]``, ``n_draft [B]`` (row b proposes its first ``n_draft[b]`` drafts); ``draft_probs [B, k, V]``
-    the distribution each draft was drawn from (``None``: deterministic drafts, a point mass); ``keys [B]`` one
-    PRNG key per row; ``temperature``, ``top_k``, ``top_p [B]`` the rows' sampling settings.
+    the distribution each draft was drawn from (``None``: deterministic drafts, a point mass); ``seeds`` (uint32)
+    and ``counters [B]``: the round's first token is the row's token number ``counters[b]``; ``temperature``,
+    ``top_k``, ``top_p [B]`` the rows' sampling settings.
 
     Returns ``(n_acc [B], token [B])``: the first ``n_acc`` drafts are accepted and ``token`` follows them — drawn
     from the residual ``norm(max(0, p − q))`` at the first rejected draft, or from ``p`` after the last one.
-    Greedy rows (temperature 0): accept while ``draft == argmax``, then the argmax — exactly plain greedy decoding.
+    Randomness is per token: token number i uses :func:`token_key` ``(seed, i)`` — the uniform that tests a draft
+    there is drawn from ``fold_in(key, 1)``, and the token drawn there from ``key`` itself, exactly as plain
+    sampling draws it when no draft was rejected. Greedy rows (temperature 0): accept while ``draft == argmax``,
+    then the argmax — exactly plain greedy decoding.
     """
     B, T, V = logits.shape
     k = T - 1
     lg = logits.astype(jnp.float32)
     greedy_tok = jnp.argmax(lg, axis=-1).astype(jnp.int32)                            # [B, T]
-    p = row_probs(lg, temperature, top_k, top_p)                                       # [B, T, V]
-    pos = jnp.arange(k)[None, :]
-    proposed = pos < n_draft[:, None]                                                  # [B, k]
+    x = row_filtered(lg, temperature, top_k, top_p)                                   # [B, T, V]
+    p = jax.nn.softmax(x, axis=-1)
+    keys = jax.vmap(lambda s, c: jax.vmap(lambda i: token_key(s, c + i))(jnp.arange(T)))(seeds, counters)  # [B, T]
     if k:
         p_d = jnp.take_along_axis(p[:, :k], drafts[..., None], axis=-1)[..., 0]        # p_t(d_{t+1}) [B, k]
         q_d = 1.0 if draft_probs is None else \
             jnp.take_along_axis(draft_probs, drafts[..., None], axis=-1)[..., 0]
-        ku, kr = jax.vmap(jax.random.split, out_axes=1)(keys)                          # [B] each
-        u = jax.vmap(lambda kk: jax.random.uniform(kk, (k,)))(ku)                      # [B, k] in [0, 1)
+        u = jax.vmap(jax.vmap(lambda kk: jax.random.uniform(jax.random.fold_in(kk, 1))))(keys[:, :k])  # [B, k]
         ok_sampled = u * q_d < p_d                                                     # u < p/q without a division
-        ok = jnp.where((temperature > 0)[:, None], ok_sampled, drafts == greedy_tok[:, :k]) & proposed
+        ok = jnp.where((temperature > 0)[:, None], ok_sampled, drafts == greedy_tok[:, :k])
+        ok &= jnp.arange(k)[None, :] < n_draft[:, None]
         n_acc = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)             # leading accepted
     else:
-        kr, n_acc = keys, jnp.zeros((B,), jnp.int32)
-    at = lambda x: jnp.take_along_axis(x, n_acc[:, None, None], axis=1)[:, 0]         # noqa: E731  row n_acc
-    p_j = at(p)                                                                        # [B, V]
-    rejected = n_acc < n_draft
+        n_acc = jnp.zeros((B,), jnp.int32)
+    at = lambda a: jnp.take_along_axis(a, n_acc.reshape((B,) + (1,) * (a.ndim - 1)), axis=1)[:, 0]  # noqa: E731
+    x_j, key_j = at(x), at(keys)
     if k:
-        d_j = jnp.take_along_axis(drafts, jnp.minimum(n_acc, k - 1)[:, None], axis=1)[:, 0]
+        i = jnp.minimum(n_acc, k - 1)
+        d_j = jnp.take_along_axis(drafts, i[:, None], axis=1)[:, 0]
         q_j = jax.nn.one_hot(d_j, V, dtype=jnp.float32) if draft_probs is None else \
-            jnp.take_along_axis(draft_probs, jnp.minimum(n_acc, k - 1)[:, None, None], axis=1)[:, 0]
-        resid = jnp.maximum(p_j - q_j, 0.0)
-        mass = jnp.sum(resid, axis=-1, keepdims=True)
-        # p == q up to rounding: a rejection is (nearly) impossible and the residual is noise; draw from p
-        resid = jnp.where(mass > 1e-6, resid / jnp.maximum(mass, 1e-30), p_j)
-        dist = jnp.where(rejected[:, None], resid, p_j)
-    else:
-        dist = p_j
-    drawn = jax.vmap(lambda kk, d: jax.random.categorical(kk, jnp.log(d)))(kr, dist).astype(jnp.int32)
-    token = jnp.where(temperature > 0, drawn, jnp.take_along_axis(greedy_tok, n_acc[:, None], axis=1)[:, 0])
+            jnp.take_along_axis(draft_probs, i[:, None, None], axis=1)[:, 0]
+        resid = jnp.maximum(at(p) - q_j, 0.0)
+        # p == q up to rounding: a rejection is (nearly) impossible and the residual is noise; draw from p then
+        redraw = (n_acc < n_draft) & (jnp.sum(resid, axis=-1) > 1e-6)
+        x_j = jnp.where(redraw[:, None], jnp.log(resid), x_j)
+    drawn = jax.vmap(jax.random.categorical)(key_j, x_j).astype(jnp.int32)
+    token = jnp.where(temperature > 0, drawn, at(greedy_tok))
     return n_acc.astype(jnp.int32), token
 
 
@@ -233,5 +239,5 @@ class AcceptanceTracker:
         return sum(self.rate ** i for i in range(n + 1))
 
 
-__all__ = ["speculative_accept", "emitted_tokens", "row_key", "row_probs", "NgramIndex", "ngram_propose",
+__all__ = ["speculative_accept", "emitted_tokens", "token_key", "row_filtered", "row_probs", "NgramIndex", "ngram_propose",
            "SpecConfig", "AcceptanceTracker"]
