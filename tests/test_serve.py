@@ -397,12 +397,13 @@ def test_python_api_submit_stream_cancel_and_a_failing_consumer(served):
 
 
 def test_cli_serve_starts_answers_and_exits_cleanly_on_sigterm():
-    """``k3jax serve`` in its own process: prints URL, slots, cache memory and compiled shapes, answers a
-    streamed request, and on SIGTERM in the middle of a stream drains it and exits 0."""
+    """``k3jax serve`` in its own process (with ``--speculative ngram:2``): prints URL, slots, cache memory and
+    compiled shapes, answers a streamed request, and on SIGTERM in the middle of a stream drains it and exits 0."""
     port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     p = subprocess.Popen([sys.executable, "-m", "k3jax.cli", "serve", "--model", "test", "--port", str(port),
-                          "--max-slots", "2", "--max-model-len", "128", "--chunk", "16", "--page-size", "16"],
+                          "--max-slots", "2", "--max-model-len", "128", "--chunk", "16", "--page-size", "16",
+                          "--speculative", "ngram:2"],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     out = []
     try:
@@ -418,6 +419,7 @@ def test_cli_serve_starts_answers_and_exits_cleanly_on_sigterm():
         assert f"http://127.0.0.1:{port}" in log, log
         assert "2 slots" in log and "bytes per slot" in log and "pages of 16 tokens" in log, log
         assert "prefill [[1, 16]]" in log and "decode [[2, 1]]" in log, log
+        assert "speculative decoding: n-gram prompt lookup, k=2" in log and "speculative [[2, 3]]" in log, log
         with httpx.Client(timeout=60) as h:
             assert h.get(f"http://127.0.0.1:{port}/health").json()["status"] == "ok"
             with h.stream("POST", f"http://127.0.0.1:{port}/v1/completions",

@@ -406,6 +406,47 @@ def test_metrics_and_memory(sched):
     assert not sched.busy() and sched.alloc.free + sched.prefix.snapshot()["cached_pages"] == sched.num_pages
 
 
+# ------------------------------------------------------------------------------------------------- the server
+def test_server_speculates_through_the_openai_client(sched, tmp_path, monkeypatch):
+    """The module scheduler behind the OpenAI API: prompt lookup drafts, the answer's ids equal the plain answer's;
+    ``"speculative": false`` (a request field) decodes plainly; ``/metrics`` has the ``k3jax_spec_*`` series."""
+    import httpx
+    import openai
+
+    from k3jax.serve.app import ServeConfig, create_app
+    from k3jax.serve.server import Server, free_port
+    from k3jax.text.tokenizer import TiktokenTokenizer
+    from tokenizer_fixture import write_release_tokenizer
+
+    monkeypatch.setattr(sched, "spec", dataclasses.replace(sched.spec, prompt_lookup_min=1))
+    write_release_tokenizer(tmp_path)
+    tok = TiktokenTokenizer(tmp_path)
+    app = create_app(sched, tok, ServeConfig("k3-spec", MAX_LEN, own_scheduler=False))
+    srv = Server(sched, tok, app, "127.0.0.1", free_port(), "k3-spec").start_background()
+    done = []
+    sched.finish_hooks.append(done.append)
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        p = [int(t) for t in np.random.default_rng(6).permutation(470)]
+        want = reference(sched, p).tokens
+        for extra in ({}, {"speculative": False}):
+            r = client.completions.create(model="k3-spec", prompt=p, max_tokens=24, temperature=0,
+                                          extra_body={"ignore_eos": True, "return_token_ids": True, **extra})
+            assert r.choices[0].model_extra["token_ids"] == want
+            assert r.usage.completion_tokens == 24
+        drafted = [q.spec_drafted for q in done if len(q.prompt) == 470][-2:]      # after the reference run
+        assert drafted[0] >= 5 * K and drafted[1] == 0, drafted
+        text = httpx.get(srv.url + "/metrics").text
+        for name in ("k3jax_spec_draft_tokens_total", "k3jax_spec_accepted_tokens_total", "k3jax_spec_rounds_total",
+                     "k3jax_spec_acceptance_rate", "k3jax_spec_mean_accepted_length", "k3jax_spec_fallback_steps"):
+            assert name in text, name
+        bad = httpx.post(srv.url + "/v1/completions", json={"prompt": [5, 6], "speculative": "yes"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "speculative"
+    finally:
+        sched.finish_hooks.remove(done.append)
+        srv.stop()
+
+
 # ------------------------------------------------------------------------------------------------ draft model
 def test_draft_model_speculation_is_exact(model):
     """A draft model: the target with a perturbed head (so it agrees often, not always), its own slot-pool cache on

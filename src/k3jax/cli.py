@@ -276,6 +276,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         except ValueError:
             raise ValueError(f"{flag}: expected bytes or a size like {example!r}, got {value!r}") from None
 
+    from k3jax.infer.speculative import SpecConfig
+
+    spec = SpecConfig.parse(args.speculative) if args.speculative else None     # a bad spec fails before loading
     mem = size_flag("--kv-cache-memory", args.kv_cache_memory, "512MiB")
     pmem = size_flag("--prefix-cache-memory", args.prefix_cache_memory, "1GiB")
     if args.prefix_cache_stride < 1:
@@ -288,6 +291,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        dtype=args.dtype, default_max_tokens=args.default_max_tokens,
                        prefix_cache=not args.no_prefix_cache, prefix_cache_memory=pmem,
                        prefix_cache_stride=args.prefix_cache_stride, prefix_cache_verify=args.prefix_cache_verify,
+                       speculative=spec, speculative_adaptive=not args.speculative_no_fallback,
                        say=lambda m: console.print(m, highlight=False, soft_wrap=True))
     import signal
 
@@ -443,6 +447,12 @@ def main(argv: list[str] | None = None) -> int:
                    "512-token blocks (besides each prompt's last boundary and branch points; default 4)")
     s.add_argument("--prefix-cache-verify", action="store_true", help="debug: recompute every prefix-cache hit "
                    "from scratch and compare (a mismatch is logged, counted and recomputed without the cache)")
+    s.add_argument("--speculative", default=None, metavar="SPEC", help="speculative decoding: ngram:K (prompt "
+                   "lookup, K drafts per round; ngram:K:MIN:MAX sets the n-gram sizes, default 2..4) or "
+                   "draft:PATH:K (a draft model with the same tokenizer: preset, training run or checkpoint)")
+    s.add_argument("--speculative-no-fallback", action="store_true", help="speculate whenever there are drafts "
+                   "(default: a request whose drafts keep failing decodes plainly for a while, and a step "
+                   "speculates only when the measured step times say it pays)")
     s.set_defaults(fn=cmd_serve)
 
     sub.add_parser("bench", help="run the benchmarks of a source checkout: k3jax bench [names…] [--list] [--quick] "

@@ -72,6 +72,7 @@ class _Common(BaseModel):
     n: StrictInt = 1
     user: StrictStr | None = None
     return_token_ids: StrictBool = False      # k3jax/vLLM extension: the generated ids beside the text
+    speculative: StrictBool = True            # k3jax extension: false = plain decode when the server speculates
 
 
 class CompletionBody(_Common):
@@ -188,10 +189,11 @@ def create_app(sched: Scheduler, tokenizer, config: ServeConfig):
     def on_finish(req):
         metrics.observe(req)
         ttft = (req.first_token_time - req.arrival) if req.first_token_time else float("nan")
-        log.info("%s done: %s, prompt %d tokens (%d cached), generated %d, ttft %.3f s, %.1f s total%s", req.id,
+        log.info("%s done: %s, prompt %d tokens (%d cached), generated %d, ttft %.3f s, %.1f s total%s%s", req.id,
                  req.finish_reason, req.prompt_tokens, req.cached_tokens, len(req.tokens), ttft,
                  (req.finish_time or time.perf_counter()) - req.arrival,
-                 f", preempted {req.preemptions}×" if req.preemptions else "")
+                 f", preempted {req.preemptions}×" if req.preemptions else "",
+                 f", drafts {req.spec_accepted}/{req.spec_drafted} accepted" if req.spec_drafted else "")
 
     sched.finish_hooks.append(on_finish)
 
@@ -268,7 +270,7 @@ def create_app(sched: Scheduler, tokenizer, config: ServeConfig):
     def stops_of(body: _Common) -> list[str]:
         return [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
 
-    async def run(ids: list[int], params: SamplingParams) -> tuple[Any, asyncio.Queue]:
+    async def run(ids: list[int], params: SamplingParams, body: _Common) -> tuple[Any, asyncio.Queue]:
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[TokenEvent] = asyncio.Queue()
 
@@ -276,7 +278,8 @@ def create_app(sched: Scheduler, tokenizer, config: ServeConfig):
             loop.call_soon_threadsafe(q.put_nowait, ev)
 
         try:
-            req = sched.submit(ids, params, callback=cb, request_id=f"req-{uuid.uuid4().hex[:12]}")
+            req = sched.submit(ids, params, callback=cb, request_id=f"req-{uuid.uuid4().hex[:12]}",
+                               use_speculative=body.speculative)
         except RequestError as e:
             raise APIError(400, str(e), e.field) from None
         except QueueFull as e:
@@ -332,7 +335,7 @@ def create_app(sched: Scheduler, tokenizer, config: ServeConfig):
         else:
             ids = list(prompt)
         params = sampling(body, body.max_tokens)
-        req, q = await run(ids, params)
+        req, q = await run(ids, params, body)
         rid, model = f"cmpl-{req.id[4:]}", config.model_name
 
         def chunk(text: str, finish: str | None, ids: list[int] | None = None) -> dict:
@@ -422,7 +425,7 @@ def create_app(sched: Scheduler, tokenizer, config: ServeConfig):
             raise APIError(400, str(e), field) from None
         extra = (end_of_msg,) if end_of_msg is not None else ()
         params = sampling(body, body.max_completion_tokens or body.max_tokens, extra)
-        req, q = await run(ids, params)
+        req, q = await run(ids, params, body)
         rid, model = f"chatcmpl-{req.id[4:]}", config.model_name
         stops = stops_of(body)
 

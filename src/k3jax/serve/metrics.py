@@ -1,5 +1,5 @@
 """The server's Prometheus metrics (one registry per app): request, token and latency series kept by the app, and
-the scheduler's slot, page, queue, compile and prefix-cache figures read from :meth:`Scheduler.snapshot` at
+the scheduler's slot, page, queue, compile, prefix-cache and speculative-decoding figures read from :meth:`Scheduler.snapshot` at
 scrape time."""
 
 from __future__ import annotations
@@ -61,6 +61,14 @@ _PREFIX = [("lookups", "counter", "prefix-cache lookups (admissions with the cac
            ("cached_pages", "gauge", "MLA pages referenced by cached prefixes"),
            ("held_bytes", "gauge", "checkpoint bytes + bytes of cached pages"),
            ("budget_bytes", "gauge", "the prefix cache's memory budget (--prefix-cache-memory)")]
+_SPEC = [("steps", "counter", "decode steps that ran a speculative round"),
+         ("rounds", "counter", "slot rounds that verified drafts (a step holds one per drafting slot)"),
+         ("draft_tokens", "counter", "tokens drafted"),
+         ("accepted_tokens", "counter", "drafted tokens the target accepted"),
+         ("acceptance_rate", "gauge", "accepted / drafted tokens since start"),
+         ("mean_accepted_length", "gauge", "accepted drafts per round since start (tokens per round − 1)"),
+         ("fallback_steps", "counter", "steps with drafts that decoded plainly (a round would not have paid)"),
+         ("draft_prefill_chunks", "counter", "chunks the draft model prefilled to catch up with the target")]
 
 
 def _families(prefix: str, table, values: dict):
@@ -83,6 +91,8 @@ class _SchedulerCollector:
         yield g
         if s.get("prefix") is not None:
             yield from _families("k3jax_prefix_cache_", _PREFIX, s["prefix"])
+        if s.get("spec") is not None:
+            yield from _families("k3jax_spec_", _SPEC, s["spec"])
 
 
 __all__ = ["ServerMetrics"]

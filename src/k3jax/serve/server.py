@@ -7,6 +7,7 @@ serves from a thread (tests, benchmarks, notebooks); ``Server.url`` is where it 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import socket
 import threading
@@ -19,6 +20,7 @@ import uvicorn
 
 from k3jax.infer.load import load_model
 from k3jax.infer.scheduler import Scheduler
+from k3jax.infer.speculative import SpecConfig
 from k3jax.serve.app import ServeConfig, create_app
 
 log = logging.getLogger("k3jax.serve")
@@ -91,10 +93,14 @@ def build_server(model: str | object, *, host: str = "127.0.0.1", port: int = 80
                  served_model_name: str | None = None, tokenizer=None, dtype: str | None = None,
                  default_max_tokens: int = 256, drain_timeout: float = 10.0, prefix_cache: bool = True,
                  prefix_cache_memory: int | None = None, prefix_cache_stride: int = 4,
-                 prefix_cache_verify: bool = False, say: Callable[[str], None] | None = None) -> Server:
+                 prefix_cache_verify: bool = False, speculative: str | SpecConfig | None = None,
+                 speculative_adaptive: bool = True, draft_model=None,
+                 say: Callable[[str], None] | None = None) -> Server:
     """Load ``model`` (a path or preset, as ``k3jax generate --model``; or a loaded :class:`K3ForCausalLM` with
     ``tokenizer``), build the scheduler, compile its steps (``say`` reports progress), start it and build the
-    app. ``port`` 0 picks a free port."""
+    app. ``port`` 0 picks a free port. ``speculative``: ``ngram:K`` or ``draft:PATH:K`` (or a
+    :class:`~k3jax.infer.speculative.SpecConfig`); ``speculative_adaptive=False`` speculates whenever there are
+    drafts (no fallback); ``draft_model`` a loaded draft instead of PATH."""
     say = say or (lambda s: log.info(s))
     t0 = time.perf_counter()
     if isinstance(model, (str, Path)):
@@ -107,10 +113,18 @@ def build_server(model: str | object, *, host: str = "127.0.0.1", port: int = 80
         what = "model object"
         if tokenizer is None:
             raise ValueError("tokenizer: required when a model object is passed")
+    spec = SpecConfig.parse(speculative) if isinstance(speculative, str) else speculative
+    if spec is not None and not speculative_adaptive:
+        spec = dataclasses.replace(spec, adaptive=False)
+    if spec is not None and spec.method == "draft" and draft_model is None:
+        say(f"loading the draft model {spec.draft}")
+        draft_model, _, dwhat = load_model(spec.draft)
+        say(f"draft: {dwhat}")
     sched = Scheduler(model, max_slots=max_slots, max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
                       chunk=chunk, page_size=page_size, max_queue=max_queue, max_step_tokens=max_step_tokens,
                       prefix_cache=prefix_cache, prefix_cache_memory=prefix_cache_memory,
-                      prefix_stride=prefix_cache_stride, prefix_verify=prefix_cache_verify)
+                      prefix_stride=prefix_cache_stride, prefix_verify=prefix_cache_verify, speculative=spec,
+                      draft_model=draft_model)
     mem = sched.memory()
     say(f"{what}: {max_slots} slots × max_model_len {sched.max_model_len}; cache: KDA state "
         f"{mem['kda_state_bytes_per_slot']:,} bytes per slot, MLA latent {mem['mla_bytes_per_token']:,} bytes per "
@@ -122,10 +136,16 @@ def build_server(model: str | object, *, host: str = "127.0.0.1", port: int = 80
             f"{mem['prefix_budget_bytes']:,} bytes{'; verifying every hit' if sched.prefix_verify else ''}")
     else:
         say("prefix cache: off")
+    if spec is not None:
+        say(f"speculative decoding: {spec.describe()}; "
+            f"{'falls back to plain decode when drafts do not pay' if spec.adaptive else 'no fallback'}; "
+            f"verify records {mem['spec_record_bytes_per_slot']:,} bytes per slot (vs "
+            f"{mem['spec_state_snapshots_bytes_per_slot']:,} for a KDA state per draft position)")
     say(f"compiling: prefill chunks {list(sched.buckets)} (batch 1) and decode batches {list(sched.decode_sizes)} …")
     t1 = time.perf_counter()
     shapes = sched.warmup()
-    say(f"compiled in {time.perf_counter() - t1:.1f} s: prefill {shapes['prefill']}, decode {shapes['decode']}")
+    say(f"compiled in {time.perf_counter() - t1:.1f} s: prefill {shapes['prefill']}, decode {shapes['decode']}"
+        + (f", speculative {shapes['speculative']}" if "speculative" in shapes else ""))
     sched.start()
     app = create_app(sched, tokenizer, ServeConfig(model_name=name, max_model_len=sched.max_model_len,
                                                    default_max_tokens=default_max_tokens,
