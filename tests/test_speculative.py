@@ -202,6 +202,27 @@ def test_ngram_index_finds_the_latest_longest_match():
         assert idx.propose(3) == want == ngram_propose(seq, 3), seq
 
 
+def test_ngram_index_follows_a_predicted_output():
+    """A reference (predicted output): proposed from its start while the answer follows it, re-found two tokens after
+    an edit, followed in order (the cursor) though an n-gram repeats in it."""
+    ref = [10, 11, 12, 13, 14, 10, 11, 15, 16, 17]
+    idx = NgramIndex(2, 4, reference=ref, prompt_len=2)
+    idx.extend([1, 2])
+    assert idx.propose(3) == [10, 11, 12]                      # nothing generated yet: the reference's start
+    idx.extend([10, 11, 12, 99])                               # an edit: 99 for 13
+    assert idx.propose(3) == []
+    idx.extend([14, 10])                                       # (14, 10) found again after the edit
+    assert idx.propose(3) == [11, 15, 16]
+    idx.extend([11])                                           # (10, 11) occurs twice: the one after the cursor
+    assert idx.propose(2) == [15, 16]
+    both = NgramIndex(2, 4, reference=[5, 6, 9], prompt_len=6)
+    both.extend([1, 5, 6, 7, 1, 5, 6])
+    assert both.propose(2) == [7, 1]                           # the context's 3-gram match beats the reference's 2
+    tie = NgramIndex(2, 4, reference=[5, 6, 9], prompt_len=5)
+    tie.extend([5, 6, 7, 8, 5, 6])
+    assert tie.propose(2) == [9]                               # equal lengths: the reference
+
+
 def test_spec_config_parsing_names_the_problem():
     assert SpecConfig.parse("ngram:4") == SpecConfig("ngram", 4)
     assert SpecConfig.parse("ngram:2:1:3") == SpecConfig("ngram", 2, prompt_lookup_min=1, prompt_lookup_max=3)
@@ -327,6 +348,19 @@ def test_prompt_lookup_speculates_and_stays_exact(sched, monkeypatch):
     r = submit(sched, p, "lookup")
     assert_same(sched, r)
     assert r.spec_drafted >= 5 * K, r.spec_drafted
+
+
+def test_a_predicted_output_is_drafted_from(sched):
+    """OpenAI's predicted output: the plain answer with one token changed — the answer follows it, and after the
+    edit prompt lookup finds its place in it again: most drafts are accepted, the output is the plain answer."""
+    p = tokens(60, 50)
+    pred = list(reference(sched, p).tokens)
+    pred[10] = (pred[10] + 1) % 512
+    r = sched.submit(p, SamplingParams(max_tokens=24, ignore_eos=True), prediction=pred)
+    assert_same(sched, r)
+    assert r.spec_accepted >= 12 and r.spec_accepted > r.spec_drafted // 2, (r.spec_drafted, r.spec_accepted)
+    with pytest.raises(Exception, match="prediction: token ids"):
+        sched.submit(p, SamplingParams(max_tokens=4), prediction=[600])
 
 
 def test_prefix_cache_hits_with_speculation(sched):

@@ -130,6 +130,7 @@ class Request:
     provisional: object = None          # (node, checkpoint) saved in decode, dropped at the next one
     logits: list | None = None          # next-token logits per generated token (Scheduler(record_logits=True))
     use_speculative: bool = True        # False: plain decode even when the scheduler speculates
+    prediction: list = field(default_factory=list)      # a predicted output prompt lookup also drafts from
     spec: object = None                 # its AcceptanceTracker (speculative decoding)
     ngram: object = None                # its prompt-lookup index (NgramIndex)
     draft_len: int = 0                  # tokens the draft model holds for it (draft-model speculation)

@@ -257,12 +257,14 @@ class Scheduler(PrefixCaching, SpeculativeDecoding):
     def submit(self, prompt: Sequence[int], params: SamplingParams | None = None, *,
                callback: Callable[[TokenEvent], None] | None = None, request_id: str | None = None,
                use_prefix_cache: bool = True, content_keys: Sequence[tuple[int, bytes]] = (),
-               use_speculative: bool = True) -> Request:
+               use_speculative: bool = True, prediction: Sequence[int] = ()) -> Request:
         """Queue a request (it joins the batch at the next step). Raises :class:`RequestError` for a request that
         can never run and :class:`QueueFull` when ``max_queue`` requests are waiting. ``use_prefix_cache=False``:
         neither reuses nor adds cached prefixes; ``content_keys``: ``(position, digest bytes)`` of inputs that are
         not token ids (image content), hashed into the prefix cache's key of the block holding the position;
-        ``use_speculative=False``: plain decode for this request when the scheduler speculates."""
+        ``use_speculative=False``: plain decode for this request when the scheduler speculates; ``prediction``:
+        token ids the answer is expected to resemble (OpenAI's predicted output, e.g. the document an edit starts
+        from), which prompt lookup drafts from too."""
         params = params or SamplingParams()
         ids = self.check(prompt, params)
         keys = []
@@ -272,13 +274,17 @@ class Scheduler(PrefixCaching, SpeculativeDecoding):
                 raise RequestError(f"content_keys: expected (position in [0, {len(ids)}), digest bytes) pairs, got "
                                    f"{k!r}", "content_keys")
             keys.append((int(k[0]), bytes(k[1])))
+        pred = [int(t) for t in prediction]
+        if pred and (min(pred) < 0 or max(pred) >= self.cfg.vocab_size):
+            raise RequestError(f"prediction: token ids must lie in [0, {self.cfg.vocab_size}) (vocab_size); got min "
+                               f"{min(pred)}, max {max(pred)}", "prediction")
         stops = frozenset(int(s) for s in params.stop_token_ids) | (frozenset() if params.ignore_eos
                                                                      else self.eos_ids)
         seed = params.seed if params.seed is not None else secrets.randbits(32)
         req = Request(id=request_id or f"req-{next(self._ids)}", prompt=ids, params=params, stops=stops, seed=seed,
                       callback=callback, sequence=list(ids), arrival=time.perf_counter(),
                       use_prefix_cache=bool(use_prefix_cache), content_keys=tuple(sorted(keys)),
-                      use_speculative=bool(use_speculative),
+                      use_speculative=bool(use_speculative), prediction=pred,
                       logits=[] if self.record_logits else None)
         if callback is None:
             req._q = queue.Queue()

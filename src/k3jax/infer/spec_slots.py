@@ -227,11 +227,13 @@ class SpeculativeDecoding:
 
     def _host_drafts(self, req: Request, n: int) -> list[int]:
         """Up to ``n`` drafts from the host: the ``drafter`` given to the scheduler, else prompt lookup over the
-        request's prompt and generated tokens (its index grows by the tokens added since the last step)."""
+        request's prompt, generated tokens and predicted output (its index grows by the tokens added since the last
+        step)."""
         if self.drafter is not None:
             return [int(t) for t in self.drafter(req, n)][:n]
         if req.ngram is None:
-            req.ngram = NgramIndex(self.spec.prompt_lookup_min, self.spec.prompt_lookup_max)
+            req.ngram = NgramIndex(self.spec.prompt_lookup_min, self.spec.prompt_lookup_max, req.prediction,
+                                   len(req.prompt))
         have, P = len(req.ngram.tokens), len(req.prompt)
         if have < P:
             req.ngram.extend(req.prompt[have:])

@@ -107,13 +107,26 @@ def emitted_tokens(drafts: jax.Array, n_acc: jax.Array, token: jax.Array) -> jax
 
 # ----------------------------------------------------------------------------------------- prompt lookup (host)
 class NgramIndex:
-    """For each n in ``[min_n, max_n]``, the latest end of every n-gram of a growing token list whose next token
-    is known: ``propose`` finds the longest suffix n-gram seen before and returns what followed it."""
+    """Prompt lookup over a growing token list (prompt, then generated tokens): for each n in ``[min_n, max_n]``
+    the latest end of every n-gram whose next token is known; :meth:`propose` finds the longest suffix n-gram seen
+    before and returns what followed it.
 
-    def __init__(self, min_n: int, max_n: int):
+    ``reference``: a predicted output (OpenAI's ``prediction``: e.g. the document an edit starts from), searched
+    too — while the generated tokens are a prefix of it, what follows in it is proposed; after that, the suffix
+    n-gram is looked up in it at or after the place the last match left off (a document is followed in order), and
+    the longer of the two matches wins (the reference on a tie)."""
+
+    def __init__(self, min_n: int, max_n: int, reference=(), prompt_len: int = 0):
         self.min_n, self.max_n = min_n, max_n
         self.tokens: list[int] = []
         self.last: dict[tuple, int] = {}           # n-gram → index just past its latest (earlier) occurrence
+        self.ref = [int(t) for t in reference]
+        self.ref_ends: dict[tuple, list[int]] = {}  # n-gram of the reference → every index just past it (ascending)
+        for n in range(min_n, max_n + 1):
+            for e in range(n, len(self.ref)):
+                self.ref_ends.setdefault(tuple(self.ref[e - n:e]), []).append(e)
+        self.ref_cursor = 0
+        self.prompt_len = prompt_len
 
     def extend(self, tokens) -> None:
         """Append tokens (the index covers n-grams that end before the last token)."""
@@ -125,14 +138,29 @@ class NgramIndex:
                     self.last[tuple(self.tokens[L - n:L])] = L
             self.tokens.append(int(t))
 
-    def propose(self, k: int) -> list[int]:
-        """Up to ``k`` tokens that followed the latest earlier occurrence of the longest matching suffix."""
+    def _from_reference(self, k: int) -> tuple[int, list[int]]:
+        gen = self.tokens[self.prompt_len:]
+        if self.ref and len(gen) < len(self.ref) and gen == self.ref[:len(gen)]:
+            return len(gen) + self.max_n, self.ref[len(gen):len(gen) + k]      # still on the reference's start
         L = len(self.tokens)
         for n in range(min(self.max_n, L), self.min_n - 1, -1):
+            ends = self.ref_ends.get(tuple(self.tokens[L - n:]))
+            if ends:
+                e = next((x for x in ends if x >= self.ref_cursor), ends[0])
+                self.ref_cursor = e
+                return n, self.ref[e:e + k]
+        return 0, []
+
+    def propose(self, k: int) -> list[int]:
+        """Up to ``k`` tokens that followed the latest earlier occurrence of the longest matching suffix (or the
+        reference's continuation, see the class)."""
+        L = len(self.tokens)
+        n_ref, from_ref = self._from_reference(k) if self.ref else (0, [])
+        for n in range(min(self.max_n, L), max(self.min_n, n_ref + 1) - 1, -1):
             e = self.last.get(tuple(self.tokens[L - n:]))
             if e is not None:
                 return self.tokens[e:min(e + k, L)]
-        return []
+        return from_ref
 
 
 def ngram_propose(tokens, k: int, min_n: int = 2, max_n: int = 4) -> list[int]:

@@ -73,6 +73,7 @@ class _Common(BaseModel):
     user: StrictStr | None = None
     return_token_ids: StrictBool = False      # k3jax/vLLM extension: the generated ids beside the text
     speculative: StrictBool = True            # k3jax extension: false = plain decode when the server speculates
+    prediction: dict[str, Any] | None = None  # OpenAI's predicted output {"type": "content", "content": …}
 
 
 class CompletionBody(_Common):
@@ -267,6 +268,25 @@ def create_app(sched: Scheduler, tokenizer, config: ServeConfig):
             raise APIError(400, str(e), e.field) from None
         return p
 
+    def prediction_ids(body: _Common) -> list[int]:
+        """The token ids of a predicted output (text, text parts, or — a k3jax extension — token ids)."""
+        pred = body.prediction
+        if pred is None:
+            return []
+        content = pred.get("content")
+        if pred.get("type") != "content" or content is None:
+            raise APIError(400, 'prediction: expected {"type": "content", "content": text or text parts}',
+                           "prediction")
+        if isinstance(content, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in content):
+            return list(content)
+        if isinstance(content, list) and all(isinstance(x, dict) and x.get("type") == "text"
+                                             and isinstance(x.get("text"), str) for x in content):
+            content = "".join(x["text"] for x in content)
+        if not isinstance(content, str):
+            raise APIError(400, "prediction.content: expected text, a list of text parts or a list of token ids",
+                           "prediction")
+        return tokenizer.encode(content)
+
     def stops_of(body: _Common) -> list[str]:
         return [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
 
@@ -279,7 +299,7 @@ def create_app(sched: Scheduler, tokenizer, config: ServeConfig):
 
         try:
             req = sched.submit(ids, params, callback=cb, request_id=f"req-{uuid.uuid4().hex[:12]}",
-                               use_speculative=body.speculative)
+                               use_speculative=body.speculative, prediction=prediction_ids(body))
         except RequestError as e:
             raise APIError(400, str(e), e.field) from None
         except QueueFull as e:
