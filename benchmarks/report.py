@@ -357,6 +357,45 @@ def t_prefix_cache(r: dict) -> str:
     return out
 
 
+def t_speculative(r: dict) -> str:
+    rows = [[x.get("setting"), x.get("batch"), x.get("workload"), num(x.get("plain_tokens_per_s"), ".2f"),
+             num(x.get("spec_tokens_per_s"), ".2f"), times(x.get("speedup")), num(x.get("drafted")),
+             num(x.get("accepted")), num(x.get("acceptance_rate"), ".3f"), num(x.get("mean_accepted_per_round"), ".2f"),
+             DASH if x.get("greedy_identical") is None else x.get("greedy_identical")] for x in r.get("rows", [])]
+    out = table(["setting", "batch", "workload", "plain tok/s", "speculative tok/s", "speedup", "drafted", "accepted",
+                 "acceptance", "accepted / round", "greedy = plain"], rows)
+    p, tg = r.get("params") or {}, r.get("targets") or {}
+    out += (f"\n\n{r.get('preset')} preset (random weights), {p.get('prompt')}-token prompts, {p.get('answer')} "
+            f"tokens per answer; batch 1 = {p.get('batch1_requests')} requests one at a time, 8 slots = "
+            f"{p.get('slots_requests')} requests at once. Copy-heavy: the document is the request's predicted output "
+            f"(the plain greedy answer with one token in {p.get('edit_every')} changed), greedy; free generation: "
+            f"temperature {p.get('temperature')}, prompt lookup over prompt + answer. Targets: copy-heavy at batch 1 "
+            f"≥ {times(tg.get('copy_batch1'))} (best {times(tg.get('copy_batch1_best'))}), free generation ≥ "
+            f"{times(tg.get('free'))} (worst {times(tg.get('free_worst'))}); greedy speculative = plain: "
+            f"{tg.get('greedy_identical')}.")
+    rep = r.get("replay") or []
+    if rep:
+        out += "\n\n" + table(["replay (`Cache.accept`, all KDA layers)", "tokens", "replay ms", "plain decode step ms",
+                               "replay / decode step"],
+                              [[f"batch {x.get('batch')}", x.get("tokens"), ms(x.get("replay_s")),
+                                ms(x.get("decode_step_s")), num(x.get("replay_vs_decode"), ".3f")] for x in rep])
+    mem = r.get("memory") or {}
+    if mem:
+        out += "\n\n" + table(["setting", "KDA state per slot", "recorded during a round", "a state per position",
+                               "draft model per slot"],
+                              [[k, num(m.get("kda_state_bytes_per_slot")), num(m.get("spec_record_bytes_per_slot")),
+                                num(m.get("spec_state_snapshots_bytes_per_slot")),
+                                num(m.get("draft_state_bytes_per_slot"))] for k, m in mem.items()])
+        out += "\n\nBytes per slot: the round holds one KDA state plus the recorded inputs of its k + 1 tokens."
+    steps = r.get("step_seconds") or {}
+    if steps:
+        out += "\n\n" + table(["setting", "measured step time per decode bucket (exponential average)"],
+                              [[k, ", ".join(f"{a} {b * 1e3:.0f} ms" for a, b in v.items())] for k, v in steps.items()])
+    if r.get("plot") and (HERE / Path(r["plot"]).name).exists():
+        out += f"\n\n![speculative decoding speedups]({Path(r['plot']).name})"
+    return out
+
+
 def t_generic(r: dict) -> str:
     rows = [[k, num(v, ",.4g") if isinstance(v, float) else v] for k, v in r.items()
             if isinstance(v, (int, float, str, bool)) and k not in META]
@@ -366,7 +405,7 @@ def t_generic(r: dict) -> str:
 FORMATTERS: dict[str, Callable[[dict], str]] = {
     "roofline": t_roofline, "kda": t_kda, "model": t_model, "train_throughput": t_train,
     "inference.decode": t_decode, "inference.cache": t_cache, "inference.vs-transformers": t_vs_transformers,
-    "inference.prefill": t_prefill, "serve": t_serve, "prefix_cache": t_prefix_cache, "moonep": t_moonep, "balance": t_balance, "load_rss": t_load_rss}
+    "inference.prefill": t_prefill, "serve": t_serve, "prefix_cache": t_prefix_cache, "speculative": t_speculative, "moonep": t_moonep, "balance": t_balance, "load_rss": t_load_rss}
 META = {"command", "module_command", "wall_seconds", "recorded", "quick", "roofline", "benchmark"}
 
 

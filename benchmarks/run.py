@@ -78,6 +78,9 @@ BENCHMARKS: dict[str, Bench] = {
     "prefix_cache": Bench("prefix_cache", "KDA-aware prefix cache (100m): multi-turn chat hit rate and prefill time, "
                           "TTFT of an 8k shared prefix hit vs miss, checkpoint bytes vs `inspect`", "prefix_cache",
                           ("--plot", "benchmarks/prefix_cache.png"), ("--quick",)),
+    "speculative": Bench("speculative", "speculative decoding (100m): decode tokens/s plain vs prompt lookup k=2/4/8 "
+                         "and a draft model, copy-heavy and free generation, batch 1 and 8 slots; replay cost",
+                         "speculative", ("--plot", "benchmarks/speculative.png"), ("--quick",)),
     "load_rss": Bench("load_rss", "peak host RSS while loading a multi-shard MXFP4 checkpoint", "load_rss",
                       quick=("--hidden", "128", "--experts", "8", "--layers", "4", "--shard-size", "2MB")),
 }

@@ -526,3 +526,26 @@ def test_draft_model_speculation_is_exact(model):
     finally:
         s.close()
     print(f"draft-model scheduler: {time.perf_counter() - t0:.1f} s")
+
+
+def test_cli_generate_with_speculation(capsys, tmp_path):
+    """``k3jax generate --speculative ngram:2`` (the serving scheduler in the foreground) prints the acceptance
+    figures and returns what plain greedy ``k3jax.generate`` returns."""
+    import json
+
+    import k3jax
+    from k3jax.cli import main
+    from k3jax.infer.load import load_model
+
+    out = tmp_path / "g.json"
+    argv = ["generate", "--model", "test", "--prompt", "abcabcabcabc", "--max-new-tokens", "10", "--ignore-eos",
+            "--chunk", "16", "--no-stream", "--json", str(out)]
+    assert main(argv + ["--speculative", "ngram:2"]) == 0
+    text = capsys.readouterr().out
+    assert "speculative: n-gram prompt lookup, k=2" in text and "drafted" in text, text
+    model, tok, _ = load_model("test")
+    want = k3jax.generate(model, [tok.bos_id] + tok.encode("abcabcabcabc"), 10, chunk=16)
+    assert json.loads(out.read_text())["tokens"][0] == want
+    assert main(argv + ["--speculative", "ngram:0"]) == 2
+    assert "k (drafted tokens per round)" in capsys.readouterr().out
+

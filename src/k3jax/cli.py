@@ -220,6 +220,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
     stops = list(eos) if not args.ignore_eos else []
     stops += [int(s) for s in (args.stop or [])]
+    if args.speculative:
+        return _generate_speculative(args, model, tok, what, prompts, ids, stops)
     engine = Engine(model, chunk=args.chunk, max_len=args.max_len)
     console.print(f"[bold]k3jax generate[/bold] {what}; tokenizer {tok.name}; "
                   f"{'greedy' if args.temperature == 0 else f'temperature {args.temperature}'}"
@@ -250,6 +252,76 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"prompts": prompts, "tokens": res.tokens,
                                                "text": [tok.decode(t) for t in res.tokens], "stats": st}, indent=2))
+    return 0
+
+
+def _generate_speculative(args, model, tok, what, prompts, ids, stops) -> int:
+    """``k3jax generate --speculative``: the prompts through the serving scheduler (one slot each, speculative
+    decoding on, no prefix cache), streamed when there is one prompt; then the acceptance figures."""
+    import sys
+
+    from k3jax.infer.load import load_model
+    from k3jax.infer.scheduler import SamplingParams, Scheduler
+    from k3jax.infer.speculative import SpecConfig
+
+    spec = SpecConfig.parse(args.speculative)
+    draft = None
+    if spec.method == "draft":
+        draft, _, dwhat = load_model(spec.draft)
+        console.print(f"draft: {dwhat}", highlight=False)
+    longest = max(len(x) for x in ids) + args.max_new_tokens
+    sched = Scheduler(model, max_slots=len(ids), max_model_len=min(args.max_len or model.config.max_position_embeddings,
+                                                                     -(-(longest + 1) // 64) * 64),
+                      chunk=args.chunk, prefix_cache=False, speculative=spec, draft_model=draft)
+    console.print(f"[bold]k3jax generate[/bold] {what}; tokenizer {tok.name}; speculative: {spec.describe()}; "
+                  f"{'greedy' if args.temperature == 0 else f'temperature {args.temperature}'}; compiling …",
+                  highlight=False)
+    sched.warmup()
+    stream = _TextStream(tok, sys.stdout) if (len(ids) == 1 and not args.no_stream) else None
+    if stream is not None:
+        sys.stdout.write(prompts[0])
+        sys.stdout.flush()
+    params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed, stop_token_ids=tuple(stops), ignore_eos=True)
+    import threading
+
+    streamed = threading.Event()
+
+    def cb(ev):
+        for t in ev.tokens:
+            stream(0, t)
+        if ev.finished:
+            streamed.set()
+
+    t0 = time.perf_counter()
+    sched.start()
+    try:
+        reqs = [sched.submit(x, params, callback=cb if (i == 0 and stream is not None) else None)
+                for i, x in enumerate(ids)]
+        for r in reqs:
+            if r.callback is None:
+                r.result()
+        if stream is not None:
+            streamed.wait()
+    finally:
+        sched.close()
+    dt = time.perf_counter() - t0
+    if stream is not None:
+        sys.stdout.write("\n")
+    else:
+        for p, r in zip(prompts, reqs):
+            console.rule()
+            console.print(p + tok.decode(r.tokens), markup=False, highlight=False)
+    s = sched.snapshot()["spec"]
+    n = sum(len(r.tokens) for r in reqs)
+    console.print(f"generated {n} tokens in {dt:.2f} s ({n / dt:.1f} tokens/s, prefill included); drafted "
+                  f"{s['draft_tokens']}, accepted {s['accepted_tokens']} (rate {s['acceptance_rate']:.2f}, "
+                  f"{s['mean_accepted_length']:.2f} per round over {s['rounds']} rounds; {s['fallback_steps']} steps "
+                  f"fell back to plain decode)", highlight=False)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"prompts": prompts, "tokens": [r.tokens for r in reqs],
+                                               "text": [tok.decode(r.tokens) for r in reqs], "speculative": s},
+                                              indent=2))
     return 0
 
 
@@ -397,6 +469,8 @@ def main(argv: list[str] | None = None) -> int:
                    "max_position_embeddings)")
     g.add_argument("--dtype", default=None, help="compute dtype override (float32, bfloat16)")
     g.add_argument("--json", default=None, help="also write tokens, text and stats here")
+    g.add_argument("--speculative", default=None, metavar="SPEC", help="speculative decoding through the serving "
+                   "scheduler: ngram:K (prompt lookup) or draft:PATH:K (a draft model with the same tokenizer)")
     g.set_defaults(fn=cmd_generate)
     q = sub.add_parser("params", help="parameter counts of a preset or a config.json / checkpoint directory")
     q.add_argument("model", help=f"a config.json or a directory holding one, or a preset "
