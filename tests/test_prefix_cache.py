@@ -4,6 +4,7 @@ feature). One scheduler (4 slots, 96-token pages so 512-token blocks end inside 
 copied on write, ``prefix_verify`` on: every hit is also recomputed from scratch through the contiguous cache) runs
 on its thread for the whole module; after every step the index's invariants are checked (``PrefixCache.check``)."""
 
+import threading
 import time
 
 import numpy as np
@@ -25,10 +26,14 @@ def sched():
                   prefix_verify=True, prefix_stride=4)
     s.warmup()
     errors = []
+    # the tests change the index and the page pool from their own thread only when the scheduler is idle, but its
+    # last step's hooks may still be running then: they hold this lock while checking, the tests while changing
+    s.index_lock = threading.Lock()
 
     def check():
         try:
-            s.prefix.check()
+            with s.index_lock:
+                s.prefix.check()
         except AssertionError as e:  # recorded: the scheduler thread would only log it
             errors.append(repr(e))
             raise
@@ -146,12 +151,13 @@ def test_eviction_under_a_tiny_budget_and_a_small_pool(sched):
     wait_idle(sched)
     P = sched.prefix
     old_budget = P.budget
-    P.clear()
-    P.budget = sched.checkpoint_bytes + 8 * P.page_bytes
     over = []
     hook = lambda: over.append(P.held_bytes() - P.budget) if P.held_bytes() > P.budget and P.evictable() else None  # noqa: E731
-    sched.step_hooks.append(hook)
-    held = sched.alloc.alloc(sched.alloc.free - 40)    # 40 pages (3840 tokens) left for everything
+    with sched.index_lock:
+        P.clear()
+        P.budget = sched.checkpoint_bytes + 8 * P.page_bytes
+        sched.step_hooks.append(hook)
+        held = sched.alloc.alloc(sched.alloc.free - 40)    # 40 pages (3840 tokens) left for everything
     ev0 = P.stats["evictions"]
     try:
         roots = [tokens(900 + i, 1100) for i in range(3)]
@@ -164,9 +170,10 @@ def test_eviction_under_a_tiny_budget_and_a_small_pool(sched):
                 r.result(timeout=300)
         wait_idle(sched)
     finally:
-        sched.step_hooks.remove(hook)
-        sched.alloc.release(held)
-        P.budget = old_budget
+        with sched.index_lock:
+            sched.step_hooks.remove(hook)
+            sched.alloc.release(held)
+            P.budget = old_budget
     assert not over, over[:5]
     assert P.stats["evictions"] > ev0
     for r in reqs:
@@ -185,8 +192,9 @@ def test_random_workloads_never_restore_a_state_without_its_pages(sched):
     old_budget = P.budget
     reqs = []
     for round_ in range(3):
-        P.budget = int(rng.integers(1, 4)) * sched.checkpoint_bytes + int(rng.integers(4, 30)) * P.page_bytes
-        held = sched.alloc.alloc(sched.alloc.free - int(rng.integers(36, 60)))
+        with sched.index_lock:
+            P.budget = int(rng.integers(1, 4)) * sched.checkpoint_bytes + int(rng.integers(4, 30)) * P.page_bytes
+            held = sched.alloc.alloc(sched.alloc.free - int(rng.integers(36, 60)))
         try:
             for _ in range(2):
                 batch = []
@@ -200,7 +208,8 @@ def test_random_workloads_never_restore_a_state_without_its_pages(sched):
                     r.result(timeout=300)
             wait_idle(sched)
         finally:
-            sched.alloc.release(held)
+            with sched.index_lock:
+                sched.alloc.release(held)
     P.budget = old_budget
     assert sum(r.cached_tokens > 0 for r in reqs) >= 3
     for r in reqs:

@@ -28,12 +28,13 @@ from k3jax.infer.speculative import (AcceptanceTracker, NgramIndex, SpecConfig, 
 from k3jax.nn.cache import KDACache, KDAPending, init_cache, kda_record_bytes, slot_state_bytes
 
 K = 3                       # drafts per round in the schedulers below
-MAX_LEN, PAGE, BLOCK, CHUNK = 512, 32, 64, 64
+MAX_LEN, PAGE, BLOCK, CHUNK = 512, 32, 64, 32
 
 
 @pytest.fixture(scope="module")
 def model():
-    return K3ForCausalLM(K3Config.from_preset("test"), rngs=nnx.Rngs(3))
+    """The ``test`` preset with the weights ``k3jax generate --model test`` loads (``nnx.Rngs(0)``)."""
+    return K3ForCausalLM(K3Config.from_preset("test"), rngs=nnx.Rngs(0))
 
 
 def tokens(seed: int, n: int) -> list[int]:
@@ -45,8 +46,10 @@ def test_recorded_round_accepts_each_length_like_plain_decode(model):
     """A recording forward of T = 4 tokens, then ``accept(n)`` with n = 0…4 in one batch, against decoding the
     same tokens one by one: every KDA layer's state and conv windows ≤ 1e-6, the logits ≤ 1e-5."""
     cfg, T, B = model.config, 4, 5
-    prompt = jnp.asarray(np.stack([tokens(b, 20) for b in range(B)]), jnp.int32)
-    c0 = jit_forward(model, prompt, cache=init_cache(cfg, B, 64)).cache
+    prompt = np.stack([tokens(b, 12) for b in range(B)])
+    c0 = init_cache(cfg, B, 64)
+    for t in range(prompt.shape[1]):                       # the prompt through the decode step: one compile less
+        c0 = jit_forward(model, jnp.asarray(prompt[:, t:t + 1], jnp.int32), cache=c0).cache
     steps = jnp.asarray(np.stack([tokens(100 + b, T) for b in range(B)]), jnp.int32)
     plain, c = [c0], c0
     logits = []
@@ -56,11 +59,11 @@ def test_recorded_round_accepts_each_length_like_plain_decode(model):
         plain.append(c)
         logits.append(out.logits[:, 0])
     rec = jit_forward(model, steps, cache=c0, kda_record=True)
-    assert rec.cache.pending and int(rec.cache.lengths[0]) == 20
+    assert rec.cache.pending and int(rec.cache.lengths[0]) == 12
     np.testing.assert_allclose(rec.logits, jnp.stack(logits, 1), atol=1e-5)
     n = jnp.arange(B, dtype=jnp.int32)                     # row b keeps b tokens
     kept = rec.cache.accept(n)
-    np.testing.assert_array_equal(kept.lengths, 20 + n)
+    np.testing.assert_array_equal(kept.lengths, 12 + n)
     for b in range(B):
         for got, want in zip(kept.layers, plain[b].layers):
             if isinstance(want, KDACache):
@@ -160,8 +163,9 @@ def test_greedy_rows_accept_while_the_draft_is_the_argmax():
     drafts[2, 1] = (drafts[2, 1] + 1) % V
     n_draft = jnp.asarray([3, 3, 3, 1])
     z = jnp.zeros((4,))
-    n_acc, tok = speculative_accept(logits, jnp.asarray(drafts), n_draft, None, jnp.arange(4, dtype=jnp.uint32),
-                                    z.astype(jnp.int32), z, z.astype(jnp.int32), z + 1)
+    n_acc, tok = jax.jit(speculative_accept, static_argnums=3)(
+        logits, jnp.asarray(drafts), n_draft, None, jnp.arange(4, dtype=jnp.uint32), z.astype(jnp.int32), z,
+        z.astype(jnp.int32), z + 1)
     np.testing.assert_array_equal(n_acc, [3, 0, 1, 1])
     np.testing.assert_array_equal(tok, [best[0, 3], best[1, 0], best[2, 1], best[3, 1]])
 
@@ -483,69 +487,63 @@ def test_server_speculates_through_the_openai_client(sched, tmp_path, monkeypatc
 
 # ------------------------------------------------------------------------------------------------ draft model
 def test_draft_model_speculation_is_exact(model):
-    """A draft model: the target with a perturbed head (so it agrees often, not always), its own slot-pool cache on
-    the target's page table, caught up after the prompt and after a prefix-cache hit. Greedy output = plain;
-    sampled output reproducible under the same schedule (the draft's proposals depend on when it has caught up)."""
+    """A draft model (2 layers, KDA + MLA, random weights) on its own slot-pool cache over the target's page table,
+    caught up after the prompt and after a prefix-cache hit. Greedy: the output is plain greedy's (a random draft
+    is rarely right). Sampled at temperature 1, where two random models' distributions are both near uniform, most
+    drafts are accepted and some are not: both models' KDA layers are replayed to every length; the same request
+    run again (the same rounds) gives the same tokens."""
     cfg = model.config
-    draft = K3ForCausalLM(cfg, rngs=nnx.Rngs(3))
-    kern = draft.lm_head.kernel
-    kern[...] = kern[...] + 0.02 * jax.random.normal(jax.random.key(9), kern.shape)
+    lac = dataclasses.replace(cfg.linear_attn_config, kda_layers=[1], full_attn_layers=[2])
+    draft = K3ForCausalLM(cfg.replace(num_hidden_layers=2, linear_attn_config=lac, first_k_dense_replace=2),
+                          rngs=nnx.Rngs(5))
     s = Scheduler(model, max_slots=2, max_model_len=MAX_LEN, page_size=PAGE, chunk=CHUNK, prefix_block=BLOCK,
-                  record_logits=True, speculative=SpecConfig("draft", K, draft="perturbed", adaptive=False),
+                  record_logits=True, speculative=SpecConfig("draft", K, draft="small", adaptive=False),
                   draft_model=draft)
-    t0 = time.perf_counter()
-    shapes = s.warmup()
-    assert shapes["speculative"] == [[2, K + 1]], shapes
+    assert s.warmup()["speculative"] == [[2, K + 1]]
     s.start()
     try:
         shared = tokens(50, 140)
         prompts = [shared + tokens(51, 10), shared + tokens(52, 30)]     # the second hits 128 tokens
-        reqs = []
-        for p in prompts:
-            ref = s.submit(p, SamplingParams(max_tokens=24, ignore_eos=True), use_speculative=False,
+        for i, p in enumerate(prompts):
+            ref = s.submit(p, SamplingParams(max_tokens=16, ignore_eos=True), use_speculative=False,
                            use_prefix_cache=False)
             ref.result(timeout=300)
-            r = s.submit(p, SamplingParams(max_tokens=24, ignore_eos=True))
+            r = s.submit(p, SamplingParams(max_tokens=16, ignore_eos=True))
             r.result(timeout=300)
-            assert r.tokens == ref.tokens
+            assert r.tokens == ref.tokens and r.spec_drafted > 0
             assert max(float(np.abs(a - b).max()) for a, b in zip(r.logits, ref.logits)) <= 1e-5
-            reqs.append(r)
-        assert reqs[1].cached_tokens == 128
-        assert all(0 < r.spec_accepted < r.spec_drafted for r in reqs), [(r.spec_drafted, r.spec_accepted)
-                                                                          for r in reqs]
+            assert r.cached_tokens == (128 if i else 0)
         sampled = []
-        for _ in range(2):                       # one after the other: the same rounds, so the same tokens
-            r = s.submit(prompts[0], SamplingParams(max_tokens=16, ignore_eos=True, temperature=1.0, seed=3),
+        for _ in range(2):
+            r = s.submit(prompts[0], SamplingParams(max_tokens=24, ignore_eos=True, temperature=1.0, seed=3),
                          use_prefix_cache=False)
             r.result(timeout=300)
             sampled.append(r)
-        assert sampled[0].tokens == sampled[1].tokens and sampled[0].spec_drafted > 0
+        assert sampled[0].tokens == sampled[1].tokens
+        assert 0 < sampled[0].spec_accepted < sampled[0].spec_drafted, (sampled[0].spec_drafted,
+                                                                          sampled[0].spec_accepted)
         assert s.snapshot()["compiles"]["spec"] == 1 and s.counters["draft_prefill_chunks"] >= 2
-        mem = s.memory()
-        assert mem["draft_state_bytes_per_slot"] == slot_state_bytes(cfg)
+        assert s.memory()["draft_state_bytes_per_slot"] == slot_state_bytes(draft.config)
     finally:
         s.close()
-    print(f"draft-model scheduler: {time.perf_counter() - t0:.1f} s")
 
 
-def test_cli_generate_with_speculation(capsys, tmp_path):
+def test_cli_generate_with_speculation(sched, capsys, tmp_path):
     """``k3jax generate --speculative ngram:2`` (the serving scheduler in the foreground) prints the acceptance
-    figures and returns what plain greedy ``k3jax.generate`` returns."""
+    figures and returns the plain greedy answer (the module's model has the weights the CLI loads)."""
     import json
 
-    import k3jax
     from k3jax.cli import main
-    from k3jax.infer.load import load_model
+    from k3jax.text.tokenizer import load_tokenizer
 
     out = tmp_path / "g.json"
     argv = ["generate", "--model", "test", "--prompt", "abcabcabcabc", "--max-new-tokens", "10", "--ignore-eos",
-            "--chunk", "16", "--no-stream", "--json", str(out)]
+            "--chunk", "32", "--no-stream", "--json", str(out)]
     assert main(argv + ["--speculative", "ngram:2"]) == 0
     text = capsys.readouterr().out
     assert "speculative: n-gram prompt lookup, k=2" in text and "drafted" in text, text
-    model, tok, _ = load_model("test")
-    want = k3jax.generate(model, [tok.bos_id] + tok.encode("abcabcabcabc"), 10, chunk=16)
-    assert json.loads(out.read_text())["tokens"][0] == want
+    tok = load_tokenizer(None)
+    assert json.loads(out.read_text())["tokens"][0] == reference(sched, [tok.bos_id] + tok.encode("abcabcabcabc"),
+                                                                 10).tokens
     assert main(argv + ["--speculative", "ngram:0"]) == 2
     assert "k (drafted tokens per round)" in capsys.readouterr().out
-
