@@ -11,7 +11,6 @@
 """
 
 import dataclasses
-import time
 
 import jax
 import jax.numpy as jnp

@@ -46,7 +46,7 @@ from k3jax.infer.requests import (_DECODE, _DONE, _PREFILL, _WAITING, PageAlloca
 from k3jax.infer.sampling import SamplingError, sample_rows
 from k3jax.infer.spec_slots import SpeculativeDecoding, slot_chunk
 from k3jax.infer.speculative import SpecConfig
-from k3jax.nn.cache import Cache, KDACache, init_paged_cache, page_bytes, slot_state_bytes
+from k3jax.nn.cache import Cache, init_paged_cache, page_bytes, slot_state_bytes
 from k3jax.nn.model import K3ForCausalLM
 
 log = logging.getLogger("k3jax.scheduler")

@@ -40,7 +40,7 @@ from flax import nnx
 from k3jax.infer.requests import _DECODE, Request, _dev, _i32
 from k3jax.infer.speculative import (AcceptanceTracker, NgramIndex, SpecConfig, emitted_tokens, row_probs,
                                      speculative_accept, token_key)
-from k3jax.nn.cache import Cache, KDACache, KDAPending, KDARecord, init_paged_cache, kda_record_bytes, slot_state_bytes
+from k3jax.nn.cache import Cache, KDACache, KDAPending, init_paged_cache, kda_record_bytes, slot_state_bytes
 
 log = logging.getLogger("k3jax.scheduler")
 
@@ -363,4 +363,4 @@ class SpeculativeDecoding:
         return out
 
 
-__all__ = ["SpeculativeDecoding", "slot_chunk", "KDARecord"]
+__all__ = ["SpeculativeDecoding", "slot_chunk"]
