@@ -136,8 +136,8 @@ _KEEP_TOGETHER = {"test_cache", "test_checkpoints", "test_infer", "test_kda", "t
 _LONGEST_FIRST = [
     "ep_train",                                                            # 230 s: 8-device training, 2 processes
     "tests/test_cli.py::test_demo_trains_and_beats_unigram",               # 150 s
+    "test_speculative",                                                    # 140 s: two schedulers, one a draft's
     "test_kda",                                                            # 115 s
-    "test_speculative",                                                    # 110 s: two schedulers, one a draft's
     "test_serve",                                                          # 90 s
     "test_infer",                                                          # 85 s
     "train_step",                                                          # 70 s: one compile, then cache reads
