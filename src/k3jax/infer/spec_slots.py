@@ -23,8 +23,8 @@ measured for each batch bucket (at warmup, then as the server runs).
 
 The draft model's cache shares the target's page table: a page holds the same tokens' latents in both pools. The
 draft follows the target lazily: before a slot's first round (after its prompt, a prefix-cache hit or a
-preemption) the draft prefills the tokens the target holds, one chunk per step, and the slot decodes plainly
-meanwhile.
+preemption) the draft prefills the tokens the target holds, one chunk per slot and step, and the slot decodes
+plainly meanwhile.
 """
 
 from __future__ import annotations
@@ -283,10 +283,9 @@ class SpeculativeDecoding:
                 self.counters["spec_fallback_steps"] += 1
                 return False
         if self.draft_model is not None:                     # the draft must hold what the target holds
-            behind = [(r.admitted, j) for j, r in enumerate(reqs)
-                      if n_draft[j] and r.draft_len < int(self.lengths[r.slot])]
-            if behind:
-                self._draft_catch_up(reqs[min(behind)[1]])   # the oldest lagging slot, by one chunk
+            for j, r in enumerate(reqs):                     # every lagging drafting slot, by one chunk (a small
+                if n_draft[j]:                               # draft: slots catching up one per step would make
+                    self._draft_catch_up(r)                  # many rounds that few slots draft in)
             for j, r in enumerate(reqs):
                 if r.draft_len < int(self.lengths[r.slot]):
                     n_draft[j] = 0

@@ -17,7 +17,8 @@ round) — the scheduler's side of it is :mod:`k3jax.infer.spec_slots`.
   ``prompt_lookup_min``), in the prompt or the generated text; an incremental index, O(n) per step.
 * :class:`SpecConfig` — ``ngram:K`` or ``draft:PATH:K`` (``--speculative``).
 * :class:`AcceptanceTracker` — per request: an estimate of the per-draft acceptance rate; a request whose rate
-  stays low stops drafting for a while (16 generated tokens, doubling up to 256 while probes keep failing).
+  stays low stops drafting for a while (16 generated tokens, doubling up to 256 while its one-round probes keep
+  failing).
 """
 
 from __future__ import annotations
@@ -231,8 +232,8 @@ class SpecConfig:
 class AcceptanceTracker:
     """Per request: ``rate`` — an exponential average (weight ``alpha``) of each round's accepted / drafted — and
     the fallback: once a round leaves ``rate`` under ``floor``, no drafting for ``backoff`` generated tokens, after
-    which drafting resumes from ``prior`` (a probe); a probe that fails again doubles ``backoff`` (up to
-    ``max_backoff``), a round over ``floor`` resets it."""
+    which one round probes again from ``prior``; a probe under ``floor`` backs off again at once with twice the
+    backoff (up to ``max_backoff``), a round at or over ``floor`` resets it."""
 
     prior: float = 0.5
     floor: float = 0.25
@@ -242,6 +243,7 @@ class AcceptanceTracker:
     rate: float = field(default=-1.0)
     backoff: int = 0
     resume_at: int = 0          # generated-token count from which the request drafts again
+    probing: bool = False       # the next round is a probe after a backoff
 
     def __post_init__(self):
         if self.rate < 0:
@@ -254,12 +256,14 @@ class AcceptanceTracker:
     def update(self, drafted: int, accepted: int, generated: int) -> None:
         if drafted <= 0:
             return
-        self.rate = (1 - self.alpha) * self.rate + self.alpha * accepted / drafted
-        if self.rate < self.floor:
+        this = accepted / drafted
+        self.rate = (1 - self.alpha) * self.rate + self.alpha * this
+        failed_probe, self.probing = self.probing and this < self.floor, False
+        if self.rate < self.floor or failed_probe:
             self.resume_at = generated + self.backoff
             self.backoff = min(2 * self.backoff, self.max_backoff)
-            self.rate = self.prior
-        elif accepted / drafted >= self.floor:
+            self.rate, self.probing = self.prior, True
+        elif this >= self.floor:
             self.backoff = self.min_backoff
 
     def expected_tokens(self, n: int) -> float:
