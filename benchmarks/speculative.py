@@ -160,6 +160,7 @@ def plot(res: dict, path: str) -> None:
 
     rows = res["rows"]
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
+    axes[0].set_ylim(0, 1.25 * max(r["speedup"] for r in rows))          # room for the labels over the bars
     for ax, batch in zip(axes, ["batch 1", f"{SLOTS} slots"]):
         sel = [r for r in rows if r["batch"] == batch]
         labels = [f"{r['setting']}\n{r['workload']}" for r in sel]
