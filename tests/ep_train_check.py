@@ -1,4 +1,5 @@
 """Under 8 simulated CPU devices: ``train`` on mesh data=2,expert=4 (MoonEP) vs one device; prints the losses.
+With a second argument also fsdp=2,expert=2,tensor=2 and context=2,data=2,expert=2.
 
 The model is :data:`ep_train_model.MODEL` (the test preset cut to 3 layers, every layer kind kept)."""
 
@@ -56,5 +57,7 @@ if __name__ == "__main__":
                                                                               stop=tight)}
     if len(sys.argv) > 2:
         res["fsdp_tensor"] = losses("fsdp=2,expert=2,tensor=2", "moonep", steps, stop=6)  # same schedule, 6 steps
+        # sequences split along time (k3jax.parallel.context) with MoonEP and data parallelism at once
+        res["context"] = losses("context=2,data=2,expert=2", "moonep", steps, stop=tight)
     res["step_compiles"] = COMPILES         # per mesh: how often the training step compiled in that run
     print(json.dumps(res))

@@ -97,3 +97,30 @@ def test_bench_from_an_installed_package_says_it_needs_a_checkout(tmp_path):
     assert f"k3jax from {site / 'k3jax' / '__init__.py'}" in out, res.stdout + res.stderr
     assert res.returncode == 2, res.stdout + res.stderr
     assert "k3jax bench needs a source checkout" in out and "python -m benchmarks.run" in out
+
+
+def test_inspect_cp_reports_kda_summary_and_mla_gather_bytes(capsys):
+    """``k3jax inspect --cp N``: the KDA summary bytes per layer do not depend on the sequence length, the MLA
+    latent gather grows with it (figures from the config: H·K·(K+V) and (T/N)·(kv_lora_rank + rope) fp32)."""
+    import json
+
+    assert main(["inspect", "test", "--cp", "4", "--seq-len", "8192", "--json"]) == 0
+    a = json.loads(capsys.readouterr().out)["context_parallel"]
+    assert main(["inspect", "test", "--cp", "4", "--seq-len", "65536", "--json"]) == 0
+    b = json.loads(capsys.readouterr().out)["context_parallel"]
+    assert a["kda_summary_send_per_layer"] == b["kda_summary_send_per_layer"] == 2 * 32 * 64 * 4
+    assert b["mla_latent_send_per_layer"] == 8 * a["mla_latent_send_per_layer"] == 16384 * (32 + 8) * 4
+    assert main(["inspect", "test", "--cp", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "context parallelism: 4 ranks" in out and "all-gather of (M, S̃)" in out
+
+
+def test_training_mesh_must_split_the_sequence_and_batch():
+    from k3jax.train.loop import TrainConfig
+
+    with pytest.raises(ConfigError, match=r"seq_len=100 does not split over context=8 \(mesh context=8\)"):
+        TrainConfig.load(None, ["mesh=context=8", "seq_len=100"])
+    with pytest.raises(ConfigError, match=r"batch_size=3 does not split over data×fsdp=2"):
+        TrainConfig.load(None, ["mesh=data=2,context=2", "batch_size=3"])
+    with pytest.raises(ConfigError, match=r"unknown axis 'time'"):
+        TrainConfig.load(None, ["mesh=time=2"])

@@ -217,3 +217,32 @@ def test_resume_after_kill_is_bit_exact(tmp_path):
 
 def dataclass_dict(x):
     return dict(x) if isinstance(x, dict) else x
+
+
+def test_blockwise_muon_equals_optax_muon_and_keeps_its_state_tree():
+    """k3jax.train.optim.make_blockwise_optimizer (Newton–Schulz on each parameter's own axes, the layout hooks for
+    sharded meshes unset) against optax.contrib.muon through make_optimizer, on one parameter of each kind the
+    model has (per-head in/out projections, per-expert matrices, a plain matrix taller than wide, an AdamW vector):
+    the same state tree (checkpoints move between them) and the same updates over 3 steps of random gradients."""
+    import jax
+    import jax.numpy as jnp
+    from optax.contrib import MuonDimensionNumbers as MDN
+
+    from k3jax.train.optim import OptimConfig, make_blockwise_optimizer, make_optimizer
+
+    shapes = {"q": (24, 3, 8), "o": (3, 8, 24), "experts": (4, 24, 12), "dense": (40, 24), "norm": (24,)}
+    dims = {"q": MDN(0, 2), "o": MDN(1, 2), "experts": MDN(1, 2), "dense": MDN(0, 1), "norm": None}
+    keys = iter(jax.random.split(jax.random.key(1), 100))
+    params = {k: jax.random.normal(next(keys), s) for k, s in shapes.items()}
+    ref, ours = make_optimizer(dims, 100, OptimConfig()), make_blockwise_optimizer(dims, 100, OptimConfig())
+    sr, so = ref.init(params), ours.init(params)
+    assert jax.tree.structure(sr) == jax.tree.structure(so)
+    for step in range(3):                                  # step 0 has learning rate 0 (warm-up)
+        g = jax.tree.map(lambda p: jax.random.normal(next(keys), p.shape, p.dtype), params)
+        ur, sr = jax.jit(ref.update)(g, sr, params)
+        uo, so = jax.jit(ours.update)(g, so, params)
+        for name in shapes:
+            scale = float(jnp.max(jnp.abs(ur[name])))
+            assert scale > 0 or step == 0, name
+            # measured: ≤ 2.2e-9 against updates of 1.1e-3
+            assert float(jnp.max(jnp.abs(ur[name] - uo[name]))) <= 1e-5 * scale, (step, name)

@@ -49,7 +49,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from k3jax.costs import human_bytes, inspect_config
 
     cfg = resolve_config(args.model)
-    rep = inspect_config(cfg, S=args.S, K=args.K, R=args.R)
+    rep = inspect_config(cfg, S=args.S, K=args.K, R=args.R, cp=args.cp, seq_len=args.seq_len)
     if args.json:
         print(json.dumps(rep, indent=2))
         return 0
@@ -91,6 +91,19 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     for T, v in f["decode"].items():
         ft.add_row(f"decode at context {int(T):,}", f"{v:.4g}")
     console.print(ft)
+    c = rep.get("context_parallel")
+    if c:
+        ct = Table(title=f"context parallelism: {c['ranks']} ranks, {c['seq_len']:,} tokens "
+                         f"({c['tokens_per_rank']:,} per rank), per layer, fp32", title_justify="left")
+        for col in ("layer", "collective", "sent per rank", "received per rank", "grows with T"):
+            ct.add_column(col, justify="left" if col in ("layer", "collective") else "right")
+        ct.add_row(f"KDA ×{c['kda_layers']}", "all-gather of (M, S̃)", human_bytes(c["kda_summary_send_per_layer"]),
+                   human_bytes(c["kda_summary_recv_per_layer"]), "no")
+        ct.add_row("", "conv halo (ppermute)", human_bytes(c["kda_conv_halo_per_layer"]),
+                   human_bytes(c["kda_conv_halo_per_layer"]), "no")
+        ct.add_row(f"MLA ×{c['mla_layers']}", "all-gather of the latent", human_bytes(c["mla_latent_send_per_layer"]),
+                   human_bytes(c["mla_latent_recv_per_layer"]), "yes")
+        console.print(ct)
     return 0
 
 
@@ -444,7 +457,8 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--data", help=".txt / .jsonl / directory (default: the embedded standard-library corpus)")
     t.add_argument("--out", help="run directory (checkpoints, metrics.jsonl, plots)")
     t.add_argument("--mesh", help="device mesh, e.g. data=2,expert=4 (routed experts over the expert axis with "
-                   "MoonEP; --set ep_method=dropless|capacity for the baselines)")
+                   "MoonEP; --set ep_method=dropless|capacity for the baselines) or context=4,data=2 (sequences "
+                   "split along time: long seq_len)")
     t.add_argument("--coordinator", help="multi-process: HOST:PORT of process 0 (jax.distributed.initialize)")
     t.add_argument("--num-processes", type=int, default=None)
     t.add_argument("--process-id", type=int, default=None)
@@ -483,6 +497,9 @@ def main(argv: list[str] | None = None) -> int:
     i.add_argument("--S", type=int, default=4096, help="tokens per expert-parallel rank (default 4096)")
     i.add_argument("--K", type=int, default=None, help="experts per token (default: the config's top-k)")
     i.add_argument("--R", type=int, default=32, help="expert-parallel ranks (default 32)")
+    i.add_argument("--cp", type=int, default=None, metavar="N",
+                   help="context parallelism over N ranks: the KDA summary and MLA latent bytes per layer")
+    i.add_argument("--seq-len", type=int, default=32768, help="sequence length for --cp (default 32768)")
     i.set_defaults(fn=cmd_inspect)
     c = sub.add_parser("convert", help="release safetensors <-> k3jax Orbax (training) checkpoint, or re-shard")
     c.add_argument("src", help="checkpoint directory (safetensors or k3jax Orbax)")

@@ -104,10 +104,13 @@ def flops_per_token(cfg: K3Config, train_seq: int = 4096, contexts=CONTEXTS,
             "decode": decode}
 
 
-def inspect_config(cfg: K3Config, *, S: int = 4096, K: int | None = None, R: int = 32) -> dict[str, Any]:
-    """The whole report as a JSON-able dict (top-level ``total_params`` and ``activated_params``)."""
+def inspect_config(cfg: K3Config, *, S: int = 4096, K: int | None = None, R: int = 32, cp: int | None = None,
+                   seq_len: int = 32768) -> dict[str, Any]:
+    """The whole report as a JSON-able dict (top-level ``total_params`` and ``activated_params``); with ``cp``
+    also :func:`context_parallel` for ``seq_len``."""
     t = parameter_table(cfg)
-    return {
+    extra = {"context_parallel": context_parallel(cfg, cp, seq_len)} if cp else {}
+    return {**extra,
         "total_params": t.total,
         "activated_params": t.activated,
         "activated_convention": "all weights a token touches (top-k routed experts, lm_head) except the input "
@@ -120,6 +123,31 @@ def inspect_config(cfg: K3Config, *, S: int = 4096, K: int | None = None, R: int
         "flops_per_token": flops_per_token(cfg, activated=t.activated),
         "layers": {"kda": cfg.layer_types.count("kda"), "mla": cfg.layer_types.count("mla"),
                    "moe": len(cfg.moe_layers)},
+    }
+
+
+def context_parallel(cfg: K3Config, ranks: int, seq_len: int, batch: int = 1) -> dict[str, Any]:
+    """Communication of context parallelism over ``ranks`` (:mod:`k3jax.parallel.context`), bytes each rank sends
+    into one layer's collective (fp32) and receives from it, for ``batch`` sequences of ``seq_len`` tokens.
+
+    * KDA: the all-gather of the shard summary ``(M [H, K, K], S̃ [H, K, V])`` — independent of ``seq_len``;
+    * MLA: the all-gather of the latent ``c_kv ‖ k_r`` (``kv_lora_rank + qk_rope_head_dim`` values per token) of
+      the rank's ``seq_len / ranks`` tokens — grows with ``seq_len``;
+    * the short conv's halo: W−1 projected q/k/v inputs per row from the previous rank (``ppermute``)."""
+    lac = cfg.linear_attn_config
+    H, K, V = lac.num_heads, lac.head_dim, lac.head_dim
+    kda_send = batch * H * K * (K + V) * 4
+    per_rank = -(-seq_len // ranks)
+    mla_send = batch * per_rank * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4
+    halo = batch * (lac.short_conv_kernel_size - 1) * 3 * H * K * 4
+    n_kda, n_mla = cfg.layer_types.count("kda"), cfg.layer_types.count("mla")
+    return {
+        "ranks": ranks, "seq_len": seq_len, "batch": batch, "tokens_per_rank": per_rank,
+        "kda_summary_send_per_layer": kda_send, "kda_summary_recv_per_layer": kda_send * (ranks - 1),
+        "kda_conv_halo_per_layer": halo,
+        "mla_latent_send_per_layer": mla_send, "mla_latent_recv_per_layer": mla_send * (ranks - 1),
+        "kda_layers": n_kda, "mla_layers": n_mla,
+        "total_recv_per_rank": n_kda * (kda_send * (ranks - 1) + halo) + n_mla * mla_send * (ranks - 1),
     }
 
 

@@ -17,6 +17,7 @@ from k3jax.ops.kda import (causal_conv1d, conv_window_advance, kda_gate_lower_bo
 from k3jax.ops.kda_chunked import kda_chunked
 from k3jax.ops.norm import gated_rms_norm, l2_norm
 from k3jax.ops.precision import acc_dtype
+from k3jax.parallel.context import ContextParallel, causal_conv1d_context_parallel, kda_context_parallel
 
 
 class KDAttention(nnx.Module):
@@ -67,17 +68,21 @@ class KDAttention(nnx.Module):
         return kda_gate_softplus(f, self.dt_bias[...], self.A_log[...])
 
     def conv_branch(self, proj: Proj, w: nnx.Param, x: jax.Array, window: jax.Array | None,
-                    reset: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+                    reset: jax.Array | None, cp: ContextParallel | None = None) -> tuple[jax.Array, jax.Array]:
         """Projection → depthwise causal conv (continuing ``window [B, W−1, P]`` when given) → silu, as heads
-        ``[B, T, nh, hd]``; also the projected inputs ``[B, T, P]`` (what the next conv window is made of)."""
+        ``[B, T, nh, hd]``; also the projected inputs ``[B, T, P]`` (what the next conv window is made of).
+        ``cp``: time split over a context axis (no window; the halo comes from the previous rank)."""
         B, T, _ = x.shape
         u = proj(x).reshape(B, T, self.num_heads * self.head_dim)
+        if cp is not None:
+            return causal_conv1d_context_parallel(u, w[...], cp, reset).reshape(B, T, self.num_heads,
+                                                                                 self.head_dim), u
         y, _ = causal_conv1d(u, w[...], state=window, reset=reset)
         return y.reshape(B, T, self.num_heads, self.head_dim), u
 
     def __call__(self, x: jax.Array, *, cache: KDACache | None = None, n_new: jax.Array | None = None,
-                 segment_ids: jax.Array | None = None, kernel: str = "chunked", record: bool = False
-                 ) -> tuple[jax.Array, KDACache | KDAPending | None]:
+                 segment_ids: jax.Array | None = None, kernel: str = "chunked", record: bool = False,
+                 cp: ContextParallel | None = None) -> tuple[jax.Array, KDACache | KDAPending | None]:
         """``x [B, T, hidden]`` → ``(y [B, T, hidden], new cache or None)``.
 
         Without a cache: the whole sequence from a zero state (training / one-shot prefill). With ``cache``
@@ -91,6 +96,9 @@ class KDAttention(nnx.Module):
         inputs (:class:`KDARecord`), from which :meth:`KDAPending.accept` rebuilds the state after any prefix of
         it, instead of a state per position. The outputs come from the token-by-token recurrence (T is a draft
         length + 1), the same arithmetic as decode.
+
+        ``cp`` (:class:`~k3jax.parallel.context.ContextParallel`, without a cache): time split over the mesh's
+        context axis — conv halos by ``ppermute``, the recurrence by per-rank affine summaries.
         """
         B, T, _ = x.shape
         if kernel not in ("chunked", "recurrent"):
@@ -102,10 +110,12 @@ class KDAttention(nnx.Module):
         reset = None
         if segment_ids is not None:
             reset = jnp.concatenate([jnp.zeros((B, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+        if cp is not None and (cache is not None or kernel != "chunked" or not cp.active):
+            cp = None                        # decode / reference kernels / a context axis of one: no split
         wq, wk, wv = (None, None, None) if cache is None else cache.windows
-        q, uq = self.conv_branch(self.q_proj, self.q_conv1d, x, wq, reset)
-        k, uk = self.conv_branch(self.k_proj, self.k_conv1d, x, wk, reset)
-        v, uv = self.conv_branch(self.v_proj, self.v_conv1d, x, wv, reset)
+        q, uq = self.conv_branch(self.q_proj, self.q_conv1d, x, wq, reset, cp)
+        k, uk = self.conv_branch(self.k_proj, self.k_conv1d, x, wk, reset, cp)
+        v, uv = self.conv_branch(self.v_proj, self.v_conv1d, x, wv, reset, cp)
         q, k = l2_norm(q), l2_norm(k)
         g = self.gate(x)
         beta = jax.nn.sigmoid(self.b_proj(x).astype(acc_dtype(x)))
@@ -121,6 +131,9 @@ class KDAttention(nnx.Module):
         elif T == 1 and S0 is not None and reset is None:
             o, S = kda_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], S0)
             o = o[:, None]
+        elif cp is not None:
+            o, S = kda_context_parallel(q, k, v, g, beta, cp, safe_gate=self.gate_kind == "lower_bound",
+                                        reset=reset)
         else:
             o, S = kda_chunked(q, k, v, g, beta, initial_state=S0, output_final_state=want_state,
                                safe_gate=self.gate_kind == "lower_bound", reset=reset)

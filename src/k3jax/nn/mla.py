@@ -12,6 +12,7 @@ from k3jax.config import K3Config
 from k3jax.nn.cache import MLACache
 from k3jax.nn.layers import KeyGen, Proj, RMSNorm
 from k3jax.ops.attention import mla_attention
+from k3jax.parallel.context import ContextParallel, mla_attention_context_parallel
 
 LORA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm are built without an eps in the release (spec §3)
 
@@ -55,8 +56,8 @@ class MLAttention(nnx.Module):
         return self.kv_a_layernorm(ckv[..., : self.r_kv]), ckv[..., self.r_kv:]
 
     def __call__(self, x: jax.Array, *, cache: MLACache | None = None, pos: jax.Array | None = None,
-                 n_new: jax.Array | None = None, segment_ids: jax.Array | None = None
-                 ) -> tuple[jax.Array, MLACache | None]:
+                 n_new: jax.Array | None = None, segment_ids: jax.Array | None = None,
+                 cp: ContextParallel | None = None) -> tuple[jax.Array, MLACache | None]:
         """``x [B, T, hidden]`` → ``(y [B, T, hidden], new cache or None)``.
 
         Without a cache: causal attention over the sequence in expanded form (``segment_ids [B, T]`` keeps packed
@@ -64,10 +65,19 @@ class MLAttention(nnx.Module):
         its first ``n_new[b]`` tokens are real; their latents are appended (padding writes nothing), then it
         attends over positions ``< pos + n_new`` causally in absorbed form — the queries move into the latent
         space (``q_n W_k``), keys and values are never expanded per head.
+
+        ``cp`` (without a cache): time split over the mesh's context axis; each rank all-gathers the latent.
         """
         q_n, q_r = self.queries(x)
         c_kv, k_r = self.latent(x)
-        if cache is None:
+        if cache is None and cp is not None and cp.active:
+            def expand(w, c):
+                kv = jnp.einsum("btr,rnd->btnd", c, w.astype(c.dtype))
+                return kv[..., : self.dn], kv[..., self.dn:]
+
+            o = mla_attention_context_parallel(q_n, q_r, c_kv, k_r, expand, self.kv_b_proj.kernel[...],
+                                               self.scale, cp, segment_ids)
+        elif cache is None:
             kv = self.kv_b_proj(c_kv)
             k_n, v = kv[..., : self.dn], kv[..., self.dn:]
             o = mla_attention(q_n, q_r, k_n, k_r, v, self.scale, segment_ids)        # [B, T, nh, dv]

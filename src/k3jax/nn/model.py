@@ -16,6 +16,7 @@ from k3jax.nn.layers import KeyGen, Proj, RMSNorm, param
 from k3jax.nn.mla import MLAttention
 from k3jax.nn.moe import MLP, MoE, RoutingStats
 from k3jax.ops.attnres import attnres_mix
+from k3jax.parallel.context import ContextParallel
 from k3jax.parallel.ep import ExpertParallel
 
 
@@ -57,7 +58,8 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x: jax.Array, blocks: list[jax.Array], *, cache: LayerCache | None = None,
                  pos: jax.Array | None = None, n_new: jax.Array | None = None,
                  segment_ids: jax.Array | None = None, kda_kernel: str = "chunked", moe_grouped: bool = True,
-                 ep: ExpertParallel | None = None, router_scores: bool = False, kda_record: bool = False
+                 ep: ExpertParallel | None = None, router_scores: bool = False, kda_record: bool = False,
+                 cp: ContextParallel | None = None
                  ) -> tuple[jax.Array, list[jax.Array], LayerCache | None, RoutingStats | None]:
         """Spec §2 steps 1–8: AttnRes reads (or a plain residual), attention, then the FFN.
 
@@ -68,8 +70,8 @@ class DecoderLayer(nnx.Module):
             h = self.input_layernorm(a)
             if self.kind == "kda":
                 return self.self_attn(h, cache=cache, n_new=n_new, segment_ids=segment_ids, kernel=kda_kernel,
-                                      record=kda_record)
-            return self.self_attn(h, cache=cache, pos=pos, n_new=n_new, segment_ids=segment_ids)
+                                      record=kda_record, cp=cp)
+            return self.self_attn(h, cache=cache, pos=pos, n_new=n_new, segment_ids=segment_ids, cp=cp)
 
         def ffn(m: jax.Array) -> tuple[jax.Array, RoutingStats | None]:
             h = self.post_attention_layernorm(m)
@@ -119,6 +121,9 @@ class K3Model(nnx.Module):
                  **kw) -> tuple[jax.Array, tuple | None, list[RoutingStats]]:
         """Final hidden states ``[B, T, hidden]``, the layers' new caches (or None) and the MoE layers' stats."""
         x = jnp.take(self.embed_tokens[...], input_ids, axis=0)
+        cp = kw.get("cp")
+        if cp is not None and cp.active and cache is None:
+            x = cp.constrain(x)                          # tokens stay on the rank that owns their time slice
         blocks: list[jax.Array] = []
         stats, new = [], []
         for i, layer in enumerate(self.layers):
@@ -148,7 +153,7 @@ class K3ForCausalLM(nnx.Module):
     def __call__(self, input_ids: jax.Array, *, cache: Cache | None = None, n_new: jax.Array | None = None,
                  segment_ids: jax.Array | None = None, kda_kernel: str = "chunked", moe_grouped: bool = True,
                  ep: ExpertParallel | None = None, router_scores: bool = False,
-                 kda_record: bool = False) -> CausalLMOutput:
+                 kda_record: bool = False, cp: ContextParallel | None = None) -> CausalLMOutput:
         """Logits ``[B, T, vocab]`` and per-MoE-layer expert token counts.
 
         * ``cache=None``: whole sequences (training, one-shot scoring); ``segment_ids [B, T]`` marks packed
@@ -163,6 +168,8 @@ class K3ForCausalLM(nnx.Module):
           layer a :class:`~k3jax.nn.cache.KDAPending` (state before the chunk + the chunk's per-token inputs), MLA
           layers with the chunk appended, lengths not advanced; ``out.cache.accept(n)`` keeps the first ``n[b]``
           tokens of each row.
+        * ``cp`` (:class:`~k3jax.parallel.context.ContextParallel`, without a cache): sequences split along time
+          over a mesh's context axis (KDA by affine state summaries, MLA by gathering the latent).
         """
         input_ids = jnp.asarray(input_ids)
         if input_ids.ndim != 2 or not jnp.issubdtype(input_ids.dtype, jnp.integer):
@@ -178,7 +185,7 @@ class K3ForCausalLM(nnx.Module):
                 n_new = jnp.full((input_ids.shape[0],), input_ids.shape[1], jnp.int32)
         h, layers, stats = self.model(input_ids, cache=cache, n_new=n_new, segment_ids=segment_ids,
                                       kda_kernel=kda_kernel, moe_grouped=moe_grouped, ep=ep,
-                                      router_scores=router_scores, kda_record=kda_record)
+                                      router_scores=router_scores, kda_record=kda_record, cp=cp)
         E = self.config.num_experts or 0
         counts = jnp.stack([s.counts for s in stats]) if stats else jnp.zeros((0, E), jnp.int32)
         scores = tuple(s.scores for s in stats) if router_scores else None

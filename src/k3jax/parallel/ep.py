@@ -209,8 +209,9 @@ class ExpertParallel:
 
 
 def token_axes(mesh: jax.sharding.Mesh) -> tuple[str, ...]:
-    """Mesh axes the token dimension is split over (everything data-like, plus the expert axis)."""
-    return tuple(a for a in ("data", "fsdp", "expert") if a in mesh.axis_names)
+    """Mesh axes the token dimension is split over (everything data-like, the context axis — tokens ``[B, T]``
+    flatten batch-major, so time comes after the batch's axes — and the expert axis)."""
+    return tuple(a for a in ("data", "fsdp", "context", "expert") if a in mesh.axis_names)
 
 
 def moe_expert_parallel(z: jax.Array, idx: jax.Array, w: jax.Array, w1: jax.Array, w3: jax.Array, w2: jax.Array,

@@ -1,4 +1,4 @@
-"""The device mesh: named axes (data, fsdp, expert, tensor), built from ``"data=2,expert=4"``, and
+"""The device mesh: named axes (data, context, fsdp, expert, tensor), built from ``"data=2,expert=4"``, and
 ``jax.distributed`` start-up. (The expert-parallel setting is an explicit argument: :class:`k3jax.parallel.ep.ExpertParallel`.)"""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 import jax
 from jax.sharding import AxisType, Mesh
 
-AXES = ("data", "fsdp", "expert", "tensor")
+AXES = ("data", "context", "fsdp", "expert", "tensor")
 
 
 class MeshError(ValueError):
@@ -16,7 +16,7 @@ class MeshError(ValueError):
 
 
 def parse_mesh(spec: str | dict | None) -> dict[str, int]:
-    """``"data=2,expert=4"`` → ``{"data": 2, "fsdp": 1, "expert": 4, "tensor": 1}``."""
+    """``"data=2,expert=4"`` → ``{"data": 2, "context": 1, "fsdp": 1, "expert": 4, "tensor": 1}``."""
     sizes = dict.fromkeys(AXES, 1)
     if not spec:
         return sizes
@@ -34,7 +34,8 @@ def parse_mesh(spec: str | dict | None) -> dict[str, int]:
 
 
 def make_mesh(spec: str | dict | None, devices=None) -> Mesh:
-    """A mesh over all (or the given) devices with the four named axes; their product must equal the device count."""
+    """A mesh over all (or the given) devices with the five named axes (``context`` splits sequences along time:
+    :mod:`k3jax.parallel.context`); their product must equal the device count."""
     sizes = parse_mesh(spec)
     devices = list(devices if devices is not None else jax.devices())
     n = math.prod(sizes.values())

@@ -24,6 +24,7 @@ from flax import nnx
 from k3jax.config import ConfigError, K3Config, resolve_config
 from k3jax.nn.model import K3ForCausalLM
 from k3jax.ops.balance import max_violation
+from k3jax.parallel.context import ContextParallel
 from k3jax.parallel.ep import ExpertParallel
 from k3jax.train.balance import METHODS as BALANCE_METHODS
 from k3jax.train.balance import BalanceConfig, update_router_biases
@@ -125,6 +126,19 @@ class TrainConfig:
         if self.balance not in BALANCE_METHODS:
             raise ConfigError(f"training config: balance: expected one of {', '.join(BALANCE_METHODS)}, got "
                               f"{self.balance!r}")
+        if self.mesh:
+            from k3jax.parallel.mesh import MeshError, parse_mesh
+
+            try:
+                sizes = parse_mesh(self.mesh)
+            except MeshError as e:
+                raise ConfigError(f"training config: {e}") from None
+            if self.seq_len % sizes["context"]:
+                raise ConfigError(f"training config: seq_len={self.seq_len} does not split over context="
+                                  f"{sizes['context']} (mesh {self.mesh})")
+            if self.batch_size % (sizes["data"] * sizes["fsdp"]):
+                raise ConfigError(f"training config: batch_size={self.batch_size} does not split over data×fsdp="
+                                  f"{sizes['data'] * sizes['fsdp']} (mesh {self.mesh})")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -163,10 +177,12 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> jax
 
 
 def make_step(graphdef, params_template, rest_template, optimizer, c: TrainConfig, cfg: K3Config,
-              state_shardings: tuple | None = None, ep: ExpertParallel | None = None):
+              state_shardings: tuple | None = None, ep: ExpertParallel | None = None,
+              cp: ContextParallel | None = None):
     """The jitted training step over (params, rest, opt_state, batch) as pure pytrees.
 
-    One step: forward (routed experts over ``ep``'s mesh when given) → loss → gradients → Muon/AdamW update →
+    One step: forward (routed experts over ``ep``'s mesh when given, sequences split along time over ``cp``'s
+    context axis when given) → loss → gradients → Muon/AdamW update →
     the router biases for the next step from this step's routing (:mod:`k3jax.train.balance`; this step routed
     with the old ones). ``state_shardings`` (on a mesh): the shardings of (params, rest, opt_state); the step
     returns its new state with exactly these, so that step 2 sees the arguments step 1 saw and reuses its
@@ -184,7 +200,7 @@ def make_step(graphdef, params_template, rest_template, optimizer, c: TrainConfi
         return nnx.merge(graphdef, to_state(params_template, params), to_state(rest_template, rest))
 
     def loss_fn(params, rest, batch, router_scores: bool):
-        out = merged(params, rest)(batch["input_ids"], segment_ids=batch["segment_ids"], ep=ep,
+        out = merged(params, rest)(batch["input_ids"], segment_ids=batch["segment_ids"], ep=ep, cp=cp,
                                    router_scores=router_scores)
         return cross_entropy(out.logits, batch["targets"], batch["loss_mask"]), out
 
@@ -251,17 +267,15 @@ def train(c: TrainConfig, *, console=None, stop_after: int | None = None, on_ste
     graphdef, params_st, rest_st = nnx.split(model, nnx.Param, ...)
     params, rest = nnx.to_pure_dict(params_st), nnx.to_pure_dict(rest_st)
     optimizer = make_optimizer(muon_dims_tree(params_st), c.steps, c.optim)
-    mesh = ep = None
+    mesh = ep = cp = None
     if c.mesh:
         from k3jax.parallel.mesh import make_mesh
         from k3jax.parallel.rules import axes_tree, shard_pure
 
-        mesh = make_mesh(c.mesh)
-        if c.batch_size % (mesh.shape["data"] * mesh.shape["fsdp"]):
-            raise ConfigError(f"training config: batch_size={c.batch_size} does not split over data×fsdp="
-                              f"{mesh.shape['data'] * mesh.shape['fsdp']} (mesh {c.mesh})")
+        mesh = make_mesh(c.mesh)                        # the sizes were checked against the batch in validate()
         params, rest = shard_pure(params, axes_tree(params_st), mesh), shard_pure(rest, axes_tree(rest_st), mesh)
         ep = ExpertParallel(mesh, c.ep_method)
+        cp = ContextParallel(mesh) if mesh.shape["context"] > 1 else None
     opt_state = optimizer.init(params)
     shardings = None
     if mesh is None:
@@ -274,7 +288,7 @@ def train(c: TrainConfig, *, console=None, stop_after: int | None = None, on_ste
 
         opt_state = replicate_unplaced(opt_state, mesh)       # optax's step counters are created off the mesh
         shardings = jax.tree.map(lambda x: x.sharding, (params, rest, opt_state))
-    step_fn, eval_fn = make_step(graphdef, params_st, rest_st, optimizer, c, cfg, shardings, ep)
+    step_fn, eval_fn = make_step(graphdef, params_st, rest_st, optimizer, c, cfg, shardings, ep, cp)
 
     ckpt = Checkpointer(out / "checkpoints", keep=c.keep, save_every=c.save_every, async_save=c.async_save)
     log = MetricsLog(out / ("metrics.jsonl" if primary else f"metrics.process{jax.process_index()}.jsonl"))

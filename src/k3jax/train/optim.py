@@ -12,8 +12,12 @@ head, norms and gains, AttnRes vectors, conv kernels, A_log, dt_bias. Weight dec
 
 from __future__ import annotations
 
+import math
+import string
 from dataclasses import dataclass
 
+import jax
+import jax.numpy as jnp
 import optax
 from optax.contrib import MuonDimensionNumbers as MDN
 
@@ -83,6 +87,153 @@ def make_optimizer(dims, steps: int, c: OptimConfig) -> optax.GradientTransforma
         adam_learning_rate=schedule(c.adam_lr, steps, c), adam_weight_decay=c.weight_decay,
         muon_weight_dimension_numbers=lambda _: dims, consistent_rms=c.consistent_rms)
     return optax.chain(optax.clip_by_global_norm(c.clip_norm), muon)
+
+
+# ------------------------------------------------------------------------- Per-Head Muon over a sharded mesh
+NS_COEFFS = (3.4445, -4.7750, 2.0315)       # the quintic Newton–Schulz coefficients optax.contrib.muon defaults to
+
+
+def newton_schulz(x: jax.Array, dims: MDN, steps: int = 5, coeffs=NS_COEFFS, eps: float = 1e-8) -> jax.Array:
+    """Orthogonalise every matrix of ``x`` in place of its axes (no transpose or reshape, so a layout in which the
+    batch axes are split over devices and the matrix axes are whole needs no communication).
+
+    Axes not in ``dims`` are batch axes; per batch entry ``X`` (reduction × output axes) is scaled to unit
+    Frobenius norm, then ``steps`` times ``X ← a X + (b A + c A²) X`` with ``A = X Xᵀ`` taken over the larger
+    side (the Gram matrix of the smaller one) — the iteration of ``optax.contrib.muon``."""
+    red = (dims.reduction_axis,) if isinstance(dims.reduction_axis, int) else tuple(dims.reduction_axis)
+    out = (dims.output_axis,) if isinstance(dims.output_axis, int) else tuple(dims.output_axis)
+    red, out = tuple(a % x.ndim for a in red), tuple(a % x.ndim for a in out)
+    batch = tuple(i for i in range(x.ndim) if i not in red + out)
+    size = lambda axes: math.prod(x.shape[i] for i in axes)  # noqa: E731
+    rows, cols = (out, red) if size(red) > size(out) else (red, out)       # Gram over the smaller side
+    L = string.ascii_letters
+    xs = "".join(L[i] for i in range(x.ndim))
+    prime = {i: L[x.ndim + j] for j, i in enumerate(rows)}               # a second copy of the row axes
+    bs, rs, rs2 = ("".join(L[i] for i in batch), "".join(L[i] for i in rows), "".join(prime[i] for i in rows))
+    xs2 = "".join(prime.get(i, L[i]) for i in range(x.ndim))            # X with its rows renamed
+    a_spec = f"{bs}{rs}{rs2}"
+    third = "".join(L[2 * x.ndim + j] for j in range(len(rows)))
+    hi = jax.lax.Precision.HIGHEST
+    norm = jnp.sqrt(jnp.sum(jnp.square(x), axis=red + out, keepdims=True))
+    x = x / (norm + eps)
+    a0, a1, a2 = (jnp.asarray(c, x.dtype) for c in coeffs)
+    for _ in range(steps):
+        A = jnp.einsum(f"{xs},{xs2}->{a_spec}", x, x, precision=hi)                        # X Xᵀ
+        AA = jnp.einsum(f"{bs}{rs}{third},{bs}{third}{rs2}->{a_spec}", A, A, precision=hi)
+        Bm = a1 * A + a2 * AA
+        x = a0 * x + jnp.einsum(f"{a_spec},{xs2}->{xs}", Bm, x, precision=hi)
+    return x
+
+
+def muon_block_spec(axes: tuple, dims: MDN, shape: tuple[int, ...], mesh) -> "jax.sharding.PartitionSpec":
+    """The layout Newton–Schulz runs in on ``mesh``: a batched parameter's first heads/experts axis split over as
+    many mesh axes as divide it (whole blocks per device, spread over the devices), its matrix axes whole; a
+    single matrix split along its larger side only (then ``X Xᵀ`` is a reduction into the small Gram matrix and
+    no device ever holds the whole parameter)."""
+    from jax.sharding import PartitionSpec as P
+
+    ndim = len(shape)
+    red = (dims.reduction_axis,) if isinstance(dims.reduction_axis, int) else tuple(dims.reduction_axis)
+    out = (dims.output_axis,) if isinstance(dims.output_axis, int) else tuple(dims.output_axis)
+    batch = [i for i in range(ndim) if i not in red + out]
+    if batch:
+        target = batch[0]
+    else:
+        side = red if math.prod(shape[i] for i in red) >= math.prod(shape[i] for i in out) else out
+        target = max(side, key=lambda i: shape[i])
+    chosen, n = [], 1
+    for a in ("expert", "fsdp", "tensor", "data", "context"):
+        if a in mesh.axis_names and mesh.shape[a] > 1 and shape[target] % (n * mesh.shape[a]) == 0:
+            chosen.append(a)
+            n *= mesh.shape[a]
+    spec = [None] * ndim
+    spec[target] = tuple(chosen) if chosen else None
+    return P(*spec)
+
+
+def scale_by_blockwise_muon(dims: dict, blocks: dict | None, homes: dict | None, *, beta: float = 0.95,
+                            ns_steps: int = 5, eps: float = 1e-8) -> optax.GradientTransformation:
+    """Muon's momentum and Newton–Schulz (Nesterov, bias-corrected, as ``optax.contrib.scale_by_muon``) with each
+    momentum resharded into ``blocks`` (:func:`muon_block_spec` shardings) before Newton–Schulz and back into
+    ``homes`` (the parameters' shardings) after it. ``dims``/``blocks``/``homes`` are nested like the updates
+    this branch sees (masked leaves as ``optax.MaskedNode``). The state is a ``MuonState`` like optax's."""
+    from optax.contrib import MuonState
+
+    def init(params):
+        return MuonState(count=jnp.zeros([], jnp.int32), mu=optax.tree.zeros_like(params),
+                         ns_coeffs=jnp.asarray(NS_COEFFS))
+
+    def update(updates, state, params=None):
+        del params
+        mu = optax.tree.update_moment(updates, state.mu, beta, 1)
+        count = optax.safe_increment(state.count)
+        mu_hat = jax.tree.map(lambda m, g: beta * m + (1 - beta) * g,
+                              optax.tree.bias_correction(mu, beta, optax.safe_increment(count)),
+                              optax.tree.bias_correction(updates, beta, count))
+
+        def one(x, d, blk, home):
+            if blk is not None:
+                x = jax.lax.with_sharding_constraint(x, blk)
+            x = newton_schulz(x, d, ns_steps, tuple(state.ns_coeffs[i] for i in range(3)), eps)
+            return x if home is None else jax.lax.with_sharding_constraint(x, home)
+
+        leaf = lambda x: isinstance(x, MDN)  # noqa: E731
+        blocks_ = blocks if blocks is not None else jax.tree.map(lambda d: None, dims, is_leaf=leaf)
+        homes_ = homes if homes is not None else blocks_
+        out = jax.tree.map(one, mu_hat, dims, blocks_, homes_, is_leaf=lambda x: leaf(x) or x is None)
+        return out, MuonState(count=count, mu=mu, ns_coeffs=state.ns_coeffs)
+
+    return optax.GradientTransformation(init, update)
+
+
+def make_blockwise_optimizer(dims, steps: int, c: OptimConfig, blocks: dict | None = None,
+                             homes: dict | None = None) -> optax.GradientTransformation:
+    """:func:`make_optimizer` with Muon's Newton–Schulz in the ``blocks`` layout (see
+    :func:`scale_by_blockwise_muon`); the same state tree as :func:`make_optimizer`'s, so checkpoints move
+    between the two."""
+    leaf = lambda x: x is None or isinstance(x, MDN)  # noqa: E731
+    labels = jax.tree.map(lambda d: "adam" if d is None else "muon", dims, is_leaf=leaf)
+
+    def masked(tree):
+        return jax.tree.map(lambda d, t: optax.MaskedNode() if d is None else t, dims, tree, is_leaf=leaf)
+
+    mdims = masked(dims)
+    mblocks = None if blocks is None else masked(blocks)
+    mhomes = None if homes is None else masked(homes)
+
+    def shape_scale(updates, state, params=None):
+        def one(u, d):
+            red = (d.reduction_axis,) if isinstance(d.reduction_axis, int) else d.reduction_axis
+            out = (d.output_axis,) if isinstance(d.output_axis, int) else d.output_axis
+            fan_in, fan_out = (math.prod(u.shape[i % u.ndim] for i in ax) for ax in (red, out))
+            return u * (math.sqrt(max(fan_in, fan_out)) * c.consistent_rms)
+        return jax.tree.map(one, updates, mdims, is_leaf=lambda x: isinstance(x, MDN)), state
+
+    muon_branch = optax.chain(
+        scale_by_blockwise_muon(mdims, mblocks, mhomes),
+        optax.GradientTransformation(lambda p: optax.EmptyState(), shape_scale),
+        optax.add_decayed_weights(c.weight_decay),
+        optax.scale_by_learning_rate(schedule(c.lr, steps, c)))
+    adam = optax.adamw(schedule(c.adam_lr, steps, c), eps=1e-8, weight_decay=c.weight_decay, nesterov=True)
+    inner = optax.partition({"muon": muon_branch, "adam": adam}, labels)
+    return optax.chain(optax.clip_by_global_norm(c.clip_norm), inner)
+
+
+def muon_layouts(state, mesh) -> tuple[dict, dict]:
+    """``(blocks, homes)`` for :func:`make_blockwise_optimizer`: per parameter of an ``nnx.State`` the
+    :func:`muon_block_spec` sharding and its own (logical-axes) sharding on ``mesh``; None for AdamW parameters."""
+    from jax.sharding import NamedSharding
+
+    from k3jax.parallel.rules import metadata_tree, named_sharding, variable_axes
+
+    def block(var):
+        d = muon_dims(var)
+        return None if d is None else NamedSharding(mesh, muon_block_spec(var.axes, d, tuple(var.shape), mesh))
+
+    def home(var):
+        return None if muon_dims(var) is None else named_sharding(variable_axes(var), tuple(var.shape), mesh)
+
+    return metadata_tree(state, block), metadata_tree(state, home)
 
 
 def muon_partition(state) -> dict[str, list[str]]:
