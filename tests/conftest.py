@@ -73,6 +73,19 @@ def fla_naive_module():
     return mod
 
 
+def run_device_check(script: Path, *args: str, devices: int = 8, timeout: int = 900) -> dict:
+    """Run a check script beside the tests in a subprocess with ``devices`` simulated CPU devices (the flag must be
+    set before JAX starts, so not in this process) and return the JSON of its last stdout line."""
+    import json
+    import subprocess
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    res = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=timeout,
+                         env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
 _FORWARDS: dict = {}
 
 

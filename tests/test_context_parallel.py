@@ -3,14 +3,11 @@ summaries, the short conv's halo, MLA over the gathered latent, the whole model,
 collective bytes at two sequence lengths. One subprocess (tests/cp_check.py) computes everything; the training
 run on a context mesh is in test_ep (it shares that file's 8-device training subprocess)."""
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from conftest import run_device_check
 from k3jax.config import K3Config
 from k3jax.costs import context_parallel
 
@@ -19,10 +16,7 @@ CHECK = Path(__file__).with_name("cp_check.py")
 
 @pytest.fixture(scope="module")
 def cp():
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-    res = subprocess.run([sys.executable, str(CHECK)], capture_output=True, text=True, timeout=900, env=env)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    return run_device_check(CHECK)
 
 
 def close(diff: float, scale: float, tol: float = 1e-5) -> bool:

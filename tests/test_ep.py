@@ -8,15 +8,14 @@ from pathlib import Path
 
 import pytest
 
+from conftest import run_device_check
+
 CHECK = Path(__file__).with_name("ep_multidevice_check.py")
 
 
 @pytest.fixture(scope="module")
 def ep_results():
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-    res = subprocess.run([sys.executable, str(CHECK)], capture_output=True, text=True, timeout=900, env=env)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    return run_device_check(CHECK)
 
 
 @pytest.mark.slow
@@ -65,11 +64,7 @@ print(g(x, send, in_off, out_off, recv).ravel().tolist())
 def train_results():
     """One process × 8 devices, the 20-step schedule: its first 10 steps on one device, on data=2,expert=4 and on
     context=2,data=2,expert=2, its first 6 on fsdp=2,expert=2,tensor=2."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-    res = subprocess.run([sys.executable, str(CHECK.with_name("ep_train_check.py")), "20", "all"], capture_output=True,
-                         text=True, timeout=1500, env=env)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    return run_device_check(CHECK.with_name("ep_train_check.py"), "20", "all", timeout=1500)
 
 
 @pytest.mark.slow
