@@ -19,7 +19,7 @@ from k3jax.parallel.hlo import collectives  # noqa: E402
 from k3jax.parallel.mesh import make_mesh  # noqa: E402
 from k3jax.parallel.rules import axes_tree, shard_pure  # noqa: E402
 from k3jax.train.optim import (OptimConfig, make_blockwise_optimizer, make_optimizer, muon_dims_tree,  # noqa: E402
-                               muon_layouts)
+                               muon_plans)
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -36,12 +36,9 @@ def main() -> dict:
     dims = muon_dims_tree(st)
     mesh = make_mesh("fsdp=4,tensor=2")
     c = OptimConfig()
-    blocks, homes = muon_layouts(st, mesh)
-    whole = jax.tree.map(lambda b: None if b is None else NamedSharding(mesh, P()), blocks,
-                         is_leaf=lambda x: x is None or isinstance(x, NamedSharding))
     ref = make_optimizer(dims, 100, c)
-    opts = {"blocks": make_blockwise_optimizer(dims, 100, c, blocks, homes),
-            "naive": make_blockwise_optimizer(dims, 100, c, whole, homes)}
+    opts = {"blocks": make_blockwise_optimizer(dims, 100, c, muon_plans(st, mesh)),
+            "naive": make_blockwise_optimizer(dims, 100, c, muon_plans(st, mesh, naive=True))}
     sp = shard_pure(params, axes_tree(st), mesh)
     keys = iter(jax.random.split(jax.random.key(1), 10_000))
     grads = [jax.tree.map(lambda p: jax.random.normal(next(keys), p.shape, p.dtype), params) for _ in range(3)]
@@ -51,8 +48,15 @@ def main() -> dict:
     for g in grads:
         u, r_state = jax.jit(ref.update)(g, r_state, params)
         ref_updates.append(u)
-    muon_shapes = {tuple(x.shape) for x, d in zip(jax.tree.leaves(params), jax.tree.leaves(
-        dims, is_leaf=lambda x: x is None)) if d is not None}
+    from k3jax.train.optim import muon_block_axis
+
+    from optax.contrib import MuonDimensionNumbers
+
+    pairs = [(tuple(x.shape), d) for x, d in zip(jax.tree.leaves(params), jax.tree.leaves(
+        dims, is_leaf=lambda x: x is None or isinstance(x, MuonDimensionNumbers))) if d is not None]
+    # a gathered array with a whole parameter's elements, in any order of its axes
+    batched = {tuple(sorted(s)) for s, d in pairs if muon_block_axis(d, len(s)) is not None}
+    matrices = {tuple(sorted(s)) for s, d in pairs if muon_block_axis(d, len(s)) is None and s[0] != s[-1]}
     for name, opt in opts.items():
         state = jax.tree.map(lambda x: x, opt.init(sp))
         state = jax.tree.map(lambda x: x if isinstance(getattr(x, "sharding", None), NamedSharding) and
@@ -66,15 +70,18 @@ def main() -> dict:
                                                                             jax.tree.leaves(ru))))
         compiled = upd.lower(shard_pure(grads[0], axes_tree(st), mesh), state, sp).compile()
         gathers = [x for x in collectives(compiled.as_text()) if x["op"] == "all-gather" and x["group_size"] != 1]
-        whole_params = [x["result"] for x in gathers if any(tuple(s[1]) in muon_shapes for s in x["result"])]
+        def whole(kind):
+            return sum(1 for x in gathers for r in x["result"] if tuple(sorted(d for d in r[1] if d > 1)) in
+                       {tuple(d for d in k if d > 1) for k in kind})
         mem = compiled.memory_analysis()
         out[name] = {"max_update_diff": max(diffs), "all_gathers": len(gathers),
                      "largest_all_gather_bytes": max([x["result_bytes"] for x in gathers] or [0]),
-                     "whole_parameter_gathers": len(whole_params),
+                     "whole_batched_parameter_gathers": whole(batched),
+                     "whole_matrix_gathers": whole(matrices),
                      "temp_bytes": int(mem.temp_size_in_bytes),
                      "argument_bytes": int(mem.argument_size_in_bytes)}
     out["update_scale"] = max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(ref_updates[-1]))
-    out["muon_params"] = len(muon_shapes)
+    out["muon_params"] = len(pairs)
     return out
 
 

@@ -125,38 +125,24 @@ def newton_schulz(x: jax.Array, dims: MDN, steps: int = 5, coeffs=NS_COEFFS, eps
     return x
 
 
-def muon_block_spec(axes: tuple, dims: MDN, shape: tuple[int, ...], mesh) -> "jax.sharding.PartitionSpec":
-    """The layout Newton–Schulz runs in on ``mesh``: a batched parameter's first heads/experts axis split over as
-    many mesh axes as divide it (whole blocks per device, spread over the devices), its matrix axes whole; a
-    single matrix split along its larger side only (then ``X Xᵀ`` is a reduction into the small Gram matrix and
-    no device ever holds the whole parameter)."""
-    from jax.sharding import PartitionSpec as P
-
-    ndim = len(shape)
+def muon_block_axis(dims: MDN, ndim: int) -> int | None:
+    """The axis Newton–Schulz batches over — a parameter's first heads/experts axis, the one that is split over
+    the devices while each device orthogonalises whole blocks — or None for a single matrix."""
     red = (dims.reduction_axis,) if isinstance(dims.reduction_axis, int) else tuple(dims.reduction_axis)
     out = (dims.output_axis,) if isinstance(dims.output_axis, int) else tuple(dims.output_axis)
-    batch = [i for i in range(ndim) if i not in red + out]
-    if batch:
-        target = batch[0]
-    else:
-        side = red if math.prod(shape[i] for i in red) >= math.prod(shape[i] for i in out) else out
-        target = max(side, key=lambda i: shape[i])
-    chosen, n = [], 1
-    for a in ("expert", "fsdp", "tensor", "data", "context"):
-        if a in mesh.axis_names and mesh.shape[a] > 1 and shape[target] % (n * mesh.shape[a]) == 0:
-            chosen.append(a)
-            n *= mesh.shape[a]
-    spec = [None] * ndim
-    spec[target] = tuple(chosen) if chosen else None
-    return P(*spec)
+    batch = [i for i in range(ndim) if i % ndim not in {a % ndim for a in red + out}]
+    return batch[0] if batch else None
 
 
-def scale_by_blockwise_muon(dims: dict, blocks: dict | None, homes: dict | None, *, beta: float = 0.95,
-                            ns_steps: int = 5, eps: float = 1e-8) -> optax.GradientTransformation:
+def scale_by_blockwise_muon(dims: dict, plans: dict | None, *, beta: float = 0.95, ns_steps: int = 5,
+                            eps: float = 1e-8) -> optax.GradientTransformation:
     """Muon's momentum and Newton–Schulz (Nesterov, bias-corrected, as ``optax.contrib.scale_by_muon``) with each
-    momentum resharded into ``blocks`` (:func:`muon_block_spec` shardings) before Newton–Schulz and back into
-    ``homes`` (the parameters' shardings) after it. ``dims``/``blocks``/``homes`` are nested like the updates
-    this branch sees (masked leaves as ``optax.MaskedNode``). The state is a ``MuonState`` like optax's."""
+    momentum moved into its whole-block layout before Newton–Schulz and back after it
+    (:class:`~k3jax.parallel.blocks.BlockPlan` per parameter, None: Newton–Schulz in the parameter's own layout).
+    ``dims``/``plans`` are nested like the updates this branch sees (masked leaves as ``optax.MaskedNode``). The
+    state is a ``MuonState`` like optax's."""
+    from k3jax.parallel.blocks import from_blocks, to_blocks
+
     from optax.contrib import MuonState
 
     def init(params):
@@ -171,25 +157,24 @@ def scale_by_blockwise_muon(dims: dict, blocks: dict | None, homes: dict | None,
                               optax.tree.bias_correction(mu, beta, optax.safe_increment(count)),
                               optax.tree.bias_correction(updates, beta, count))
 
-        def one(x, d, blk, home):
-            if blk is not None:
-                x = jax.lax.with_sharding_constraint(x, blk)
+        def one(x, d, plan):
+            if plan is not None:
+                x = to_blocks(x, plan)
             x = newton_schulz(x, d, ns_steps, tuple(state.ns_coeffs[i] for i in range(3)), eps)
-            return x if home is None else jax.lax.with_sharding_constraint(x, home)
+            return x if plan is None else from_blocks(x, plan)
 
         leaf = lambda x: isinstance(x, MDN)  # noqa: E731
-        blocks_ = blocks if blocks is not None else jax.tree.map(lambda d: None, dims, is_leaf=leaf)
-        homes_ = homes if homes is not None else blocks_
-        out = jax.tree.map(one, mu_hat, dims, blocks_, homes_, is_leaf=lambda x: leaf(x) or x is None)
+        plans_ = plans if plans is not None else jax.tree.map(lambda d: None, dims, is_leaf=leaf)
+        out = jax.tree.map(one, mu_hat, dims, plans_, is_leaf=lambda x: leaf(x) or x is None)
         return out, MuonState(count=count, mu=mu, ns_coeffs=state.ns_coeffs)
 
     return optax.GradientTransformation(init, update)
 
 
-def make_blockwise_optimizer(dims, steps: int, c: OptimConfig, blocks: dict | None = None,
-                             homes: dict | None = None) -> optax.GradientTransformation:
-    """:func:`make_optimizer` with Muon's Newton–Schulz in the ``blocks`` layout (see
-    :func:`scale_by_blockwise_muon`); the same state tree as :func:`make_optimizer`'s, so checkpoints move
+def make_blockwise_optimizer(dims, steps: int, c: OptimConfig, plans: dict | None = None
+                             ) -> optax.GradientTransformation:
+    """:func:`make_optimizer` with Muon's Newton–Schulz in whole-block layouts (``plans``: :func:`muon_plans`;
+    see :func:`scale_by_blockwise_muon`); the same state tree as :func:`make_optimizer`'s, so checkpoints move
     between the two."""
     leaf = lambda x: x is None or isinstance(x, MDN)  # noqa: E731
     labels = jax.tree.map(lambda d: "adam" if d is None else "muon", dims, is_leaf=leaf)
@@ -198,8 +183,7 @@ def make_blockwise_optimizer(dims, steps: int, c: OptimConfig, blocks: dict | No
         return jax.tree.map(lambda d, t: optax.MaskedNode() if d is None else t, dims, tree, is_leaf=leaf)
 
     mdims = masked(dims)
-    mblocks = None if blocks is None else masked(blocks)
-    mhomes = None if homes is None else masked(homes)
+    mplans = None if plans is None else masked(plans)
 
     def shape_scale(updates, state, params=None):
         def one(u, d):
@@ -210,7 +194,7 @@ def make_blockwise_optimizer(dims, steps: int, c: OptimConfig, blocks: dict | No
         return jax.tree.map(one, updates, mdims, is_leaf=lambda x: isinstance(x, MDN)), state
 
     muon_branch = optax.chain(
-        scale_by_blockwise_muon(mdims, mblocks, mhomes),
+        scale_by_blockwise_muon(mdims, mplans),
         optax.GradientTransformation(lambda p: optax.EmptyState(), shape_scale),
         optax.add_decayed_weights(c.weight_decay),
         optax.scale_by_learning_rate(schedule(c.lr, steps, c)))
@@ -219,21 +203,26 @@ def make_blockwise_optimizer(dims, steps: int, c: OptimConfig, blocks: dict | No
     return optax.chain(optax.clip_by_global_norm(c.clip_norm), inner)
 
 
-def muon_layouts(state, mesh) -> tuple[dict, dict]:
-    """``(blocks, homes)`` for :func:`make_blockwise_optimizer`: per parameter of an ``nnx.State`` the
-    :func:`muon_block_spec` sharding and its own (logical-axes) sharding on ``mesh``; None for AdamW parameters."""
-    from jax.sharding import NamedSharding
+def muon_plans(state, mesh, naive: bool = False) -> dict:
+    """Per parameter of an ``nnx.State`` on ``mesh``: the :class:`~k3jax.parallel.blocks.BlockPlan` from its
+    logical-axes layout to whole heads/experts spread over the devices, for :func:`make_blockwise_optimizer`;
+    None for AdamW parameters and single matrices (their Newton–Schulz runs in their own layout, the products
+    reducing into the small Gram matrix). ``naive=True``: every Muon parameter gathered whole on every device
+    (the baseline this avoids)."""
+    from k3jax.parallel.blocks import block_plan
+    from k3jax.parallel.rules import metadata_tree, spec_for, variable_axes
 
-    from k3jax.parallel.rules import metadata_tree, named_sharding, variable_axes
-
-    def block(var):
+    def plan(var):
         d = muon_dims(var)
-        return None if d is None else NamedSharding(mesh, muon_block_spec(var.axes, d, tuple(var.shape), mesh))
+        if d is None:
+            return None
+        target = muon_block_axis(d, len(var.shape))
+        if target is None and not naive:
+            return None
+        home = spec_for(variable_axes(var), tuple(var.shape), mesh)
+        return block_plan(tuple(var.shape), home, None if naive else target, mesh)
 
-    def home(var):
-        return None if muon_dims(var) is None else named_sharding(variable_axes(var), tuple(var.shape), mesh)
-
-    return metadata_tree(state, block), metadata_tree(state, home)
+    return metadata_tree(state, plan)
 
 
 def muon_partition(state) -> dict[str, list[str]]:
