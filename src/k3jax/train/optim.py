@@ -93,6 +93,13 @@ def make_optimizer(dims, steps: int, c: OptimConfig) -> optax.GradientTransforma
 NS_COEFFS = (3.4445, -4.7750, 2.0315)       # the quintic Newton–Schulz coefficients optax.contrib.muon defaults to
 
 
+def matrix_axes(dims: MDN, ndim: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``dims``' reduction and output axes as tuples of non-negative axis indices of an ``ndim``-d array."""
+    def norm(a):
+        return tuple(i % ndim for i in ((a,) if isinstance(a, int) else a))
+    return norm(dims.reduction_axis), norm(dims.output_axis)
+
+
 def newton_schulz(x: jax.Array, dims: MDN, steps: int = 5, coeffs=NS_COEFFS, eps: float = 1e-8) -> jax.Array:
     """Orthogonalise every matrix of ``x`` in place of its axes (no transpose or reshape, so a layout in which the
     batch axes are split over devices and the matrix axes are whole needs no communication).
@@ -100,9 +107,7 @@ def newton_schulz(x: jax.Array, dims: MDN, steps: int = 5, coeffs=NS_COEFFS, eps
     Axes not in ``dims`` are batch axes; per batch entry ``X`` (reduction × output axes) is scaled to unit
     Frobenius norm, then ``steps`` times ``X ← a X + (b A + c A²) X`` with ``A = X Xᵀ`` taken over the larger
     side (the Gram matrix of the smaller one) — the iteration of ``optax.contrib.muon``."""
-    red = (dims.reduction_axis,) if isinstance(dims.reduction_axis, int) else tuple(dims.reduction_axis)
-    out = (dims.output_axis,) if isinstance(dims.output_axis, int) else tuple(dims.output_axis)
-    red, out = tuple(a % x.ndim for a in red), tuple(a % x.ndim for a in out)
+    red, out = matrix_axes(dims, x.ndim)
     batch = tuple(i for i in range(x.ndim) if i not in red + out)
     size = lambda axes: math.prod(x.shape[i] for i in axes)  # noqa: E731
     rows, cols = (out, red) if size(red) > size(out) else (red, out)       # Gram over the smaller side
@@ -128,9 +133,8 @@ def newton_schulz(x: jax.Array, dims: MDN, steps: int = 5, coeffs=NS_COEFFS, eps
 def muon_block_axis(dims: MDN, ndim: int) -> int | None:
     """The axis Newton–Schulz batches over — a parameter's first heads/experts axis, the one that is split over
     the devices while each device orthogonalises whole blocks — or None for a single matrix."""
-    red = (dims.reduction_axis,) if isinstance(dims.reduction_axis, int) else tuple(dims.reduction_axis)
-    out = (dims.output_axis,) if isinstance(dims.output_axis, int) else tuple(dims.output_axis)
-    batch = [i for i in range(ndim) if i % ndim not in {a % ndim for a in red + out}]
+    red, out = matrix_axes(dims, ndim)
+    batch = [i for i in range(ndim) if i not in red + out]
     return batch[0] if batch else None
 
 
@@ -187,9 +191,7 @@ def make_blockwise_optimizer(dims, steps: int, c: OptimConfig, plans: dict | Non
 
     def shape_scale(updates, state, params=None):
         def one(u, d):
-            red = (d.reduction_axis,) if isinstance(d.reduction_axis, int) else d.reduction_axis
-            out = (d.output_axis,) if isinstance(d.output_axis, int) else d.output_axis
-            fan_in, fan_out = (math.prod(u.shape[i % u.ndim] for i in ax) for ax in (red, out))
+            fan_in, fan_out = (math.prod(u.shape[i] for i in ax) for ax in matrix_axes(d, u.ndim))
             return u * (math.sqrt(max(fan_in, fan_out)) * c.consistent_rms)
         return jax.tree.map(one, updates, mdims, is_leaf=lambda x: isinstance(x, MDN)), state
 
