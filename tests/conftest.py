@@ -30,8 +30,24 @@ def rng():
 _CACHE_MADE: list[str] = []
 
 
+# XLA:CPU compiles the tests' programs with LLVM's cheap pipeline: at test sizes compilation is most of the suite's
+# time, and the backend optimisation level changes code generation, not the operations' semantics (every comparison
+# in the suite has a tolerance or compares two programs compiled alike). K3JAX_TEST_XLA_OPT=1 keeps XLA's default.
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
+
+def xla_flags_for_tests(extra: str = "") -> str:
+    """XLA_FLAGS for this test session and the processes it starts: the environment's, the fast-compile flags
+    (unless ``K3JAX_TEST_XLA_OPT=1``) and ``extra``."""
+    flags = [os.environ.get("XLA_FLAGS", "")]
+    if os.environ.get("K3JAX_TEST_XLA_OPT") != "1" and "xla_backend_optimization_level" not in flags[0]:
+        flags.append(TEST_XLA_FLAGS)
+    return " ".join(f for f in [*flags, extra] if f)
+
+
 def pytest_configure(config):
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ["XLA_FLAGS"] = xla_flags_for_tests()          # before any test starts a JAX backend (read at its start)
     if hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False     # xdist keeps the order of pytest_collection_modifyitems (below)
     # One persistent XLA compilation cache for the session, here and in the subprocesses the tests start (they
@@ -79,7 +95,8 @@ def run_device_check(script: Path, *args: str, devices: int = 8, timeout: int = 
     import json
     import subprocess
 
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": xla_flags_for_tests(f"--xla_force_host_platform_device_count={devices}")}
     res = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=timeout,
                          env=env)
     assert res.returncode == 0, res.stderr[-3000:]

@@ -3,7 +3,8 @@
 Kernels on mesh context=4,data=2 (T = 100: 25 tokens per rank, not a multiple of the 32-token chunk; packed
 documents that start on, just after and inside a rank's conv halo; an initial state) against the token-by-token
 recurrence, the chunked kernel, the plain conv and plain MLA; the model (ep_train_model's 3 layers) on
-context=4,data=2 against one device, logits and gradients; the compiled KDA collectives at T = 4k and 32k."""
+context=4,data=2 against one device, logits and gradients; the compiled KDA collectives at T = 4k and 32k;
+Per-Head Muon on fsdp=4,tensor=2 in whole-block layouts against optax's Muon on one device."""
 
 import json
 import os
@@ -168,6 +169,53 @@ def hlo_bytes(cp: ContextParallel) -> dict:
     return out
 
 
+def muon_check(mesh) -> dict:
+    """Per-Head Muon on ``mesh`` (fsdp=4,tensor=2) with Newton–Schulz in whole-head/whole-expert layouts
+    (``make_blockwise_optimizer`` + ``muon_plans``) and with every momentum gathered whole (the naive plan), three
+    updates of the 3-layer model's parameters against optax's Muon on one device; the compiled updates'
+    all-gathers (by result size) and memory analysis."""
+    from flax import nnx
+    from ep_train_model import MODEL
+
+    from k3jax.nn.model import K3ForCausalLM
+    from k3jax.parallel.hlo import collectives
+    from k3jax.parallel.rules import axes_tree, shard_pure
+    from k3jax.train.loop import TrainConfig, model_config
+    from k3jax.train.optim import OptimConfig, make_blockwise_optimizer, make_optimizer, muon_dims_tree, muon_plans
+
+    st = nnx.state(K3ForCausalLM(model_config(TrainConfig.load(None, list(MODEL))), rngs=nnx.Rngs(0)), nnx.Param)
+    params, axes, dims = nnx.to_pure_dict(st), axes_tree(st), muon_dims_tree(st)
+    keys = iter(jax.random.split(jax.random.key(1), 10_000))
+    grads = [jax.tree.map(lambda p: jax.random.normal(next(keys), p.shape, p.dtype), params) for _ in range(3)]
+    ref = make_optimizer(dims, 100, OptimConfig())
+    r_state, ref_updates = ref.init(params), []
+    for g in grads:
+        u, r_state = jax.jit(ref.update)(g, r_state, params)
+        ref_updates.append(u)
+    leaves = jax.tree.leaves(params)
+    muon_sizes = sorted({x.size for x, d in zip(leaves, jax.tree.leaves(dims, is_leaf=lambda d: d is None or
+                                                                        not isinstance(d, dict))) if d is not None})
+    sp = shard_pure(params, axes, mesh)
+    out = {"muon_params": sum(d is not None for d in jax.tree.leaves(dims, is_leaf=lambda d: d is None or
+                                                                    not isinstance(d, dict))),
+           "smallest_muon_param_elements": muon_sizes[0], "update_scale": float(scale_of(ref_updates[-1]))}
+    for name, naive in (("blocks", False), ("naive", True)):
+        opt = make_blockwise_optimizer(dims, 100, OptimConfig(), muon_plans(st, mesh, naive=naive))
+        state = jax.tree.map(lambda x: x if isinstance(getattr(x, "sharding", None), NamedSharding) and
+                             x.sharding.mesh == mesh else jax.device_put(x, NamedSharding(mesh, P())), opt.init(sp))
+        compiled = jax.jit(opt.update).lower(shard_pure(grads[0], axes, mesh), state, sp).compile()
+        diffs = []
+        for g, ru in zip(grads, ref_updates):
+            u, state = compiled(shard_pure(g, axes, mesh), state, sp)
+            diffs.append(float(maxdiff(u, ru)))
+        gathers = [c for c in collectives(compiled.as_text()) if c["op"] == "all-gather" and c["group_size"] != 1]
+        mem = compiled.memory_analysis()
+        out[name] = {"max_update_diff": max(diffs), "all_gathers": len(gathers),
+                     "largest_all_gather_elements": max([c["result_bytes"] // 4 for c in gathers] or [0]),
+                     "temp_bytes": int(mem.temp_size_in_bytes)}
+    return out
+
+
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(__file__))
     import time
@@ -179,5 +227,8 @@ if __name__ == "__main__":
         devices = jax.devices()[:4] if mesh == "context=4" else None
         res[name] = fn(ContextParallel(make_mesh(mesh, devices)))
         seconds[name] = round(time.perf_counter() - t0, 1)
+    t0 = time.perf_counter()
+    res["muon"] = muon_check(make_mesh("fsdp=4,tensor=2"))
+    seconds["muon"] = round(time.perf_counter() - t0, 1)
     res["seconds"] = seconds
     print(json.dumps(res))

@@ -6,7 +6,7 @@ import json
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
 pid, port, stop, out = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
 steps = 20
 import jax  # noqa: E402

@@ -124,7 +124,7 @@ def test_bias_is_causal_and_frozen_at_eval(tmp_path):
 def test_integer_psum_over_8_devices_equals_single_device():
     code = textwrap.dedent("""
         import os
-        os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+        os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
         import jax, jax.numpy as jnp, numpy as np
         from jax.sharding import PartitionSpec as P
         from k3jax.ops.balance import required_bias_histogram, bias_bounds, quantile_balance_update

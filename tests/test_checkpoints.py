@@ -277,7 +277,7 @@ def test_load_onto_an_expert_mesh(pair, tmp_path):
     """Each tensor goes straight to its NamedSharding: experts split over 4 of 8 simulated devices."""
     code = textwrap.dedent(f"""
         import os
-        os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+        os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
         import jax, numpy as np, jax.numpy as jnp, k3jax
         mesh = jax.make_mesh((2, 4), ("data", "expert"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
         m = k3jax.load_pretrained({str(pair[0])!r}, mesh=mesh)

@@ -38,7 +38,7 @@ def test_dense_ragged_all_to_all_has_ragged_semantics():
     """The CPU exchange reproduces ``ragged_all_to_all``'s contract on a hand-checked 2-rank case."""
     code = r"""
 import os
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
 import jax, jax.numpy as jnp
 from jax.sharding import PartitionSpec as P, AxisType
 from k3jax.parallel.ep import ragged_all_to_all_dense
@@ -118,7 +118,6 @@ def test_two_processes_equal_one_process(tmp_path, train_results):
         port = s.getsockname()[1]
     script = CHECK.with_name("ep_distributed_check.py")
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
     procs = [subprocess.Popen([sys.executable, str(script), str(i), str(port), "6", str(tmp_path / "run")],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for i in (0, 1)]
     outs = [p.communicate(timeout=1200) for p in procs]

@@ -147,3 +147,36 @@ def test_attnres_mix_closed_form(rng):
     np.testing.assert_array_equal(attnres_mix([], p, jnp.asarray(wn), jnp.asarray(wp), 1e-5), p)
     # zero pseudo-query → uniform average of the candidates
     np.testing.assert_allclose(attnres_mix(blocks, p, jnp.ones(8), jnp.zeros((1, 8)), 1e-5), cand.mean(0), rtol=1e-6)
+
+
+def test_mla_attention_in_query_blocks_equals_the_float64_softmax(rng):
+    """The long-sequence path of ``mla_attention`` (queries in blocks, each rematerialised for the backward pass;
+    T = 37 not a multiple of the block, packed documents, queries offset into the keys as under context
+    parallelism) against a float64 NumPy softmax attention, and its gradients against the one-block path's."""
+    from k3jax.ops.attention import mla_attention
+
+    B, T, S, N, Dn, Dr, Dv, off = 2, 37, 45, 3, 8, 4, 5, 8
+    f = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)  # noqa: E731
+    qn, qr, kn, kr, v = f(B, T, N, Dn), f(B, T, N, Dr), f(B, S, N, Dn), f(B, S, Dr), f(B, S, N, Dv)
+    kv_seg = np.zeros((B, S), np.int32)
+    kv_seg[0, 20:], kv_seg[1, 11:], kv_seg[1, 30:] = 1, 1, 2
+    seg = kv_seg[:, off:off + T]
+    s = (np.einsum("btnd,bsnd->bnts", *map(np.float64, (qn, kn))) +
+         np.einsum("btnd,bsd->bnts", *map(np.float64, (qr, kr)))) * 0.3
+    mask = (np.arange(S)[None, :] <= off + np.arange(T)[:, None]) & (seg[:, None, :, None] == kv_seg[:, None, None])
+    p = np.exp(np.where(mask, s, -np.inf) - np.max(np.where(mask, s, -np.inf), -1, keepdims=True))
+    ref = np.einsum("bnts,bsnd->btnd", p / p.sum(-1, keepdims=True), np.float64(v))
+
+    def attn(q_block):       # jitted: op-by-op dispatch of the blocked map and its transpose is slow on CPU
+        return jax.jit(lambda qn, qr, kn, kr, v: mla_attention(qn, qr, kn, kr, v, 0.3, jnp.asarray(seg),
+                                                       kv_segment_ids=jnp.asarray(kv_seg), q_offset=off,
+                                                       q_block=q_block))
+
+    args = (qn, qr, kn, kr, v)
+    np.testing.assert_allclose(attn(8)(*args), ref, atol=1e-5)
+    np.testing.assert_allclose(attn(None)(*args), ref, atol=1e-5)
+    w = f(B, T, N, Dv)
+    grads = [jax.jit(jax.grad(lambda *a, q=q: jnp.sum(attn(q)(*a) * w), argnums=range(5)))(*args)
+             for q in (8, None)]
+    for gb, gd in zip(*grads):
+        np.testing.assert_allclose(gb, gd, atol=1e-5)

@@ -10,9 +10,14 @@ from k3jax.ops.precision import acc_dtype
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
+# Above this many score entries per (batch, head) — T·S — the queries go in blocks (mla_attention's q_block).
+QUERY_BLOCK_FROM = 2048 * 2048
+QUERY_BLOCK = 512
+
+
 def mla_attention(q_nope: jax.Array, q_rope: jax.Array, k_nope: jax.Array, k_rope: jax.Array, v: jax.Array,
                   scale: float, segment_ids: jax.Array | None = None, *, kv_segment_ids: jax.Array | None = None,
-                  q_offset: jax.Array | int = 0) -> jax.Array:
+                  q_offset: jax.Array | int = 0, q_block: int | None = None) -> jax.Array:
     """Causal MLA in expanded form.
 
     ``s_{tτ} = (q_nᵗ·k_nᵗ + q_r·k_r) · scale`` per head; ``k_r`` is one vector per token shared by all heads
@@ -22,7 +27,21 @@ def mla_attention(q_nope: jax.Array, q_rope: jax.Array, k_nope: jax.Array, k_rop
     ``v [B, S, N, Dv]`` → ``[B, T, N, Dv]`` in ``v.dtype``. Usually S = T; queries that are a slice of the
     sequence (context parallelism) sit at positions ``q_offset + t`` with ``segment_ids [B, T]`` their own ids and
     ``kv_segment_ids [B, S]`` the keys' (default: ``segment_ids``).
+
+    Long sequences (T·S > ``QUERY_BLOCK_FROM``, or ``q_block`` given) go ``q_block`` queries at a time, each block
+    rematerialised in the backward pass: peak score memory ``B·N·q_block·S`` instead of ``B·N·T·S``, the same
+    per-row softmax (so the same values).
     """
+    T, S = q_nope.shape[1], k_nope.shape[1]
+    if q_block is None and T * S > QUERY_BLOCK_FROM:
+        q_block = QUERY_BLOCK
+    if q_block is not None and q_block < T:
+        return _mla_attention_query_blocks(q_nope, q_rope, k_nope, k_rope, v, scale, segment_ids, kv_segment_ids,
+                                           q_offset, q_block)
+    return _mla_attention_dense(q_nope, q_rope, k_nope, k_rope, v, scale, segment_ids, kv_segment_ids, q_offset)
+
+
+def _mla_attention_dense(q_nope, q_rope, k_nope, k_rope, v, scale, segment_ids, kv_segment_ids, q_offset):
     f32 = acc_dtype(q_nope, k_nope, v)
     s = jnp.einsum("btnd,bsnd->bnts", q_nope, k_nope, precision=HIGHEST, preferred_element_type=f32)
     if q_rope.shape[-1]:
@@ -37,6 +56,32 @@ def mla_attention(q_nope: jax.Array, q_rope: jax.Array, k_nope: jax.Array, k_rop
     p = jax.nn.softmax(s, axis=-1)
     o = jnp.einsum("bnts,bsnd->btnd", p, v.astype(f32), precision=HIGHEST, preferred_element_type=f32)
     return o.astype(v.dtype)
+
+
+def _mla_attention_query_blocks(q_nope, q_rope, k_nope, k_rope, v, scale, segment_ids, kv_segment_ids, q_offset,
+                                q_block):
+    """:func:`mla_attention` over blocks of ``q_block`` queries (T padded up to a multiple; the padding rows copy
+    the last row's segment id, so none is fully masked, and are dropped)."""
+    B, T = q_nope.shape[:2]
+    n = -(-T // q_block)
+    pad = n * q_block - T
+    kv_seg = segment_ids if kv_segment_ids is None else kv_segment_ids
+
+    def blocks(x, mode="constant"):
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), mode=mode)
+        return jnp.moveaxis(x.reshape(B, n, q_block, *x.shape[2:]), 1, 0)        # [n, B, q_block, …]
+
+    qs = (blocks(q_nope), blocks(q_rope), None if segment_ids is None else blocks(segment_ids, "edge"))
+    offsets = q_offset + q_block * jnp.arange(n)
+
+    @jax.checkpoint
+    def one(args):
+        qn, qr, seg, off = args
+        return _mla_attention_dense(qn, qr, k_nope, k_rope, v, scale, seg, kv_seg, off)
+
+    o = jax.lax.map(one, (*qs, offsets))                                             # [n, B, q_block, N, Dv]
+    o = jnp.moveaxis(o, 0, 1).reshape(B, n * q_block, *o.shape[3:])
+    return o[:, :T]
 
 
 def _online_softmax_latent(ql, qr, fetch, n_blocks, block, q_pos, kv_len):

@@ -32,7 +32,7 @@ from k3jax.train.checkpoint import Checkpointer
 from k3jax.text.tokenizer import DataError, load_tokenizer
 from k3jax.train.data import Dataset, stdlib_corpus, user_corpus
 from k3jax.train.metrics import MetricsLog, plot_run
-from k3jax.train.optim import OptimConfig, make_optimizer, muon_dims_tree
+from k3jax.train.optim import OptimConfig, make_blockwise_optimizer, make_optimizer, muon_dims_tree, muon_plans
 
 
 class TrainingError(RuntimeError):
@@ -225,6 +225,57 @@ def make_step(graphdef, params_template, rest_template, optimizer, c: TrainConfi
     return step, eval_step
 
 
+@dataclass
+class TrainSetup:
+    """What :func:`build_training` makes: the model split into its graph and (pure-dict) state, the optimizer
+    state, the jitted steps and the mesh (None on one device)."""
+    graphdef: Any
+    params_st: Any
+    rest_st: Any
+    params: dict
+    rest: dict
+    opt_state: Any
+    step_fn: Any
+    eval_fn: Any
+    mesh: Any
+
+
+def build_training(c: TrainConfig, cfg: K3Config) -> TrainSetup:
+    """The model's initial state and the jitted steps for ``c``. On a mesh (``c.mesh``) the state is laid out by its logical axes, routed experts run over MoonEP,
+    sequences split along time over the ``context`` axis, and Muon's Newton–Schulz runs in whole-head/whole-expert
+    layouts (:func:`~k3jax.train.optim.muon_plans`: no momentum is gathered whole)."""
+    model = K3ForCausalLM(cfg, rngs=nnx.Rngs(c.seed))
+    graphdef, params_st, rest_st = nnx.split(model, nnx.Param, ...)
+    params, rest = nnx.to_pure_dict(params_st), nnx.to_pure_dict(rest_st)
+    dims = muon_dims_tree(params_st)
+    mesh = ep = cp = None
+    if c.mesh:
+        from k3jax.parallel.mesh import make_mesh
+        from k3jax.parallel.rules import axes_tree, shard_pure
+
+        mesh = make_mesh(c.mesh)                        # the sizes were checked against the batch in validate()
+        params, rest = shard_pure(params, axes_tree(params_st), mesh), shard_pure(rest, axes_tree(rest_st), mesh)
+        ep = ExpertParallel(mesh, c.ep_method)
+        cp = ContextParallel(mesh) if mesh.shape["context"] > 1 else None
+        optimizer = make_blockwise_optimizer(dims, c.steps, c.optim, muon_plans(params_st, mesh))
+    else:
+        optimizer = make_optimizer(dims, c.steps, c.optim)
+    opt_state = optimizer.init(params)
+    shardings = None
+    if mesh is None:
+        # One device: the state committed to the device it is on, as a restored one is (Orbax places it), so that
+        # a fresh and a resumed run lower the same step (uncommitted arguments lower to another HLO: a resumed run
+        # compiled the whole step again)
+        params, rest, opt_state = jax.device_put((params, rest, opt_state), jax.tree.leaves(params)[0].sharding)
+    else:
+        from k3jax.parallel.rules import replicate_unplaced
+
+        opt_state = replicate_unplaced(opt_state, mesh)       # optax's step counters are created off the mesh
+        shardings = jax.tree.map(lambda x: x.sharding, (params, rest, opt_state))
+    step_fn, eval_fn = make_step(graphdef, params_st, rest_st, optimizer, c, cfg, shardings, ep, cp)
+    return TrainSetup(graphdef, params_st, rest_st, params, rest, opt_state, step_fn, eval_fn, mesh)
+
+
 # ------------------------------------------------------------------------------------------------- the loop
 @dataclass
 class TrainResult:
@@ -263,32 +314,9 @@ def train(c: TrainConfig, *, console=None, stop_after: int | None = None, on_ste
     write(out / "data.json", json.dumps({**data.info, "unigram_entropy_nats": data.unigram_entropy,
                                    "train_rows": data.train.rows, "val_rows": data.val.rows}, indent=2))
 
-    model = K3ForCausalLM(cfg, rngs=nnx.Rngs(c.seed))
-    graphdef, params_st, rest_st = nnx.split(model, nnx.Param, ...)
-    params, rest = nnx.to_pure_dict(params_st), nnx.to_pure_dict(rest_st)
-    optimizer = make_optimizer(muon_dims_tree(params_st), c.steps, c.optim)
-    mesh = ep = cp = None
-    if c.mesh:
-        from k3jax.parallel.mesh import make_mesh
-        from k3jax.parallel.rules import axes_tree, shard_pure
-
-        mesh = make_mesh(c.mesh)                        # the sizes were checked against the batch in validate()
-        params, rest = shard_pure(params, axes_tree(params_st), mesh), shard_pure(rest, axes_tree(rest_st), mesh)
-        ep = ExpertParallel(mesh, c.ep_method)
-        cp = ContextParallel(mesh) if mesh.shape["context"] > 1 else None
-    opt_state = optimizer.init(params)
-    shardings = None
-    if mesh is None:
-        # One device: the state committed to the device it is on, as a restored one is (Orbax places it), so that
-        # a fresh and a resumed run lower the same step (uncommitted arguments lower to another HLO: a resumed run
-        # compiled the whole step again)
-        params, rest, opt_state = jax.device_put((params, rest, opt_state), jax.tree.leaves(params)[0].sharding)
-    else:
-        from k3jax.parallel.rules import replicate_unplaced
-
-        opt_state = replicate_unplaced(opt_state, mesh)       # optax's step counters are created off the mesh
-        shardings = jax.tree.map(lambda x: x.sharding, (params, rest, opt_state))
-    step_fn, eval_fn = make_step(graphdef, params_st, rest_st, optimizer, c, cfg, shardings, ep, cp)
+    setup = build_training(c, cfg)
+    params, rest, opt_state, step_fn, eval_fn, mesh = (setup.params, setup.rest, setup.opt_state, setup.step_fn,
+                                                       setup.eval_fn, setup.mesh)
 
     ckpt = Checkpointer(out / "checkpoints", keep=c.keep, save_every=c.save_every, async_save=c.async_save)
     log = MetricsLog(out / ("metrics.jsonl" if primary else f"metrics.process{jax.process_index()}.jsonl"))
@@ -356,11 +384,11 @@ def train(c: TrainConfig, *, console=None, stop_after: int | None = None, on_ste
             if on_step is not None:
                 on_step(step + 1, rec)
     ckpt.close()
-    params_st2 = jax.tree.map(lambda x: x, params_st)
+    params_st2 = jax.tree.map(lambda x: x, setup.params_st)
     nnx.replace_by_pure_dict(params_st2, params)
-    rest_st2 = jax.tree.map(lambda x: x, rest_st)
+    rest_st2 = jax.tree.map(lambda x: x, setup.rest_st)
     nnx.replace_by_pure_dict(rest_st2, rest)
-    trained = nnx.merge(graphdef, params_st2, rest_st2)
+    trained = nnx.merge(setup.graphdef, params_st2, rest_st2)
     plots = plot_run(log.read(), out, data.unigram_entropy) if primary else []
     return TrainResult(out, end, loss_f, val_loss, data.unigram_entropy, trained, data, plots, tps, mfu)
 
@@ -380,4 +408,4 @@ def evaluate(eval_fn, params, rest, data: Dataset, c: TrainConfig, mesh=None) ->
     return float(np.mean(losses))
 
 
-__all__ = ["TrainConfig", "TrainResult", "TrainingError", "train", "DataError"]
+__all__ = ["TrainConfig", "TrainResult", "TrainSetup", "TrainingError", "build_training", "train", "DataError"]

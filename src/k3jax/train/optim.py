@@ -100,16 +100,23 @@ def matrix_axes(dims: MDN, ndim: int) -> tuple[tuple[int, ...], tuple[int, ...]]
     return norm(dims.reduction_axis), norm(dims.output_axis)
 
 
-def newton_schulz(x: jax.Array, dims: MDN, steps: int = 5, coeffs=NS_COEFFS, eps: float = 1e-8) -> jax.Array:
+def newton_schulz(x: jax.Array, dims: MDN, steps: int = 5, coeffs=NS_COEFFS, eps: float = 1e-8, *,
+                  shape: tuple[int, ...] | None = None, gram_axes: tuple[str, ...] = ()) -> jax.Array:
     """Orthogonalise every matrix of ``x`` in place of its axes (no transpose or reshape, so a layout in which the
     batch axes are split over devices and the matrix axes are whole needs no communication).
 
     Axes not in ``dims`` are batch axes; per batch entry ``X`` (reduction × output axes) is scaled to unit
     Frobenius norm, then ``steps`` times ``X ← a X + (b A + c A²) X`` with ``A = X Xᵀ`` taken over the larger
-    side (the Gram matrix of the smaller one) — the iteration of ``optax.contrib.muon``."""
+    side (the Gram matrix of the smaller one) — the iteration of ``optax.contrib.muon``.
+
+    Inside ``shard_map`` with the larger side split over mesh axes ``gram_axes``: ``x`` is this device's columns,
+    ``shape`` the global shape (which side is smaller); the squared norm and the Gram matrix are ``psum``-ed over
+    ``gram_axes`` (a small matrix per iteration) and every other product is local."""
     red, out = matrix_axes(dims, x.ndim)
     batch = tuple(i for i in range(x.ndim) if i not in red + out)
-    size = lambda axes: math.prod(x.shape[i] for i in axes)  # noqa: E731
+    full = tuple(shape) if shape is not None else x.shape
+    size = lambda axes: math.prod(full[i] for i in axes)  # noqa: E731
+    total = (lambda v: jax.lax.psum(v, gram_axes)) if gram_axes else (lambda v: v)  # noqa: E731
     rows, cols = (out, red) if size(red) > size(out) else (red, out)       # Gram over the smaller side
     L = string.ascii_letters
     xs = "".join(L[i] for i in range(x.ndim))
@@ -119,11 +126,11 @@ def newton_schulz(x: jax.Array, dims: MDN, steps: int = 5, coeffs=NS_COEFFS, eps
     a_spec = f"{bs}{rs}{rs2}"
     third = "".join(L[2 * x.ndim + j] for j in range(len(rows)))
     hi = jax.lax.Precision.HIGHEST
-    norm = jnp.sqrt(jnp.sum(jnp.square(x), axis=red + out, keepdims=True))
+    norm = jnp.sqrt(total(jnp.sum(jnp.square(x), axis=red + out, keepdims=True)))
     x = x / (norm + eps)
     a0, a1, a2 = (jnp.asarray(c, x.dtype) for c in coeffs)
     for _ in range(steps):
-        A = jnp.einsum(f"{xs},{xs2}->{a_spec}", x, x, precision=hi)                        # X Xᵀ
+        A = total(jnp.einsum(f"{xs},{xs2}->{a_spec}", x, x, precision=hi))                 # X Xᵀ
         AA = jnp.einsum(f"{bs}{rs}{third},{bs}{third}{rs2}->{a_spec}", A, A, precision=hi)
         Bm = a1 * A + a2 * AA
         x = a0 * x + jnp.einsum(f"{a_spec},{xs2}->{xs}", Bm, x, precision=hi)
@@ -138,6 +145,14 @@ def muon_block_axis(dims: MDN, ndim: int) -> int | None:
     return batch[0] if batch else None
 
 
+def muon_column_axis(dims: MDN, shape: tuple[int, ...]) -> int:
+    """The largest axis of the matrix's larger side (reduction or output axes; the Gram matrix is taken over the
+    other): splitting it over devices leaves Newton–Schulz one ``psum`` of the Gram matrix per iteration."""
+    red, out = matrix_axes(dims, len(shape))
+    side = red if math.prod(shape[i] for i in red) > math.prod(shape[i] for i in out) else out
+    return max(side, key=lambda i: shape[i])
+
+
 def scale_by_blockwise_muon(dims: dict, plans: dict | None, *, beta: float = 0.95, ns_steps: int = 5,
                             eps: float = 1e-8) -> optax.GradientTransformation:
     """Muon's momentum and Newton–Schulz (Nesterov, bias-corrected, as ``optax.contrib.scale_by_muon``) with each
@@ -145,7 +160,7 @@ def scale_by_blockwise_muon(dims: dict, plans: dict | None, *, beta: float = 0.9
     (:class:`~k3jax.parallel.blocks.BlockPlan` per parameter, None: Newton–Schulz in the parameter's own layout).
     ``dims``/``plans`` are nested like the updates this branch sees (masked leaves as ``optax.MaskedNode``). The
     state is a ``MuonState`` like optax's."""
-    from k3jax.parallel.blocks import from_blocks, to_blocks
+    from k3jax.parallel.blocks import apply_in_blocks
 
     from optax.contrib import MuonState
 
@@ -161,11 +176,13 @@ def scale_by_blockwise_muon(dims: dict, plans: dict | None, *, beta: float = 0.9
                               optax.tree.bias_correction(mu, beta, optax.safe_increment(count)),
                               optax.tree.bias_correction(updates, beta, count))
 
+        coeffs = tuple(state.ns_coeffs[i] for i in range(3))
+
         def one(x, d, plan):
-            if plan is not None:
-                x = to_blocks(x, plan)
-            x = newton_schulz(x, d, ns_steps, tuple(state.ns_coeffs[i] for i in range(3)), eps)
-            return x if plan is None else from_blocks(x, plan)
+            if plan is None:
+                return newton_schulz(x, d, ns_steps, coeffs, eps)
+            return apply_in_blocks(lambda b: newton_schulz(b, d, ns_steps, coeffs, eps, shape=plan.shape,
+                                                           gram_axes=plan.gram_axes), x, plan)
 
         leaf = lambda x: isinstance(x, MDN)  # noqa: E731
         plans_ = plans if plans is not None else jax.tree.map(lambda d: None, dims, is_leaf=leaf)
@@ -207,10 +224,10 @@ def make_blockwise_optimizer(dims, steps: int, c: OptimConfig, plans: dict | Non
 
 def muon_plans(state, mesh, naive: bool = False) -> dict:
     """Per parameter of an ``nnx.State`` on ``mesh``: the :class:`~k3jax.parallel.blocks.BlockPlan` from its
-    logical-axes layout to whole heads/experts spread over the devices, for :func:`make_blockwise_optimizer`;
-    None for AdamW parameters and single matrices (their Newton–Schulz runs in their own layout, the products
-    reducing into the small Gram matrix). ``naive=True``: every Muon parameter gathered whole on every device
-    (the baseline this avoids)."""
+    logical-axes layout to whole heads/experts spread over the devices (mesh axes left over split the matrix's
+    larger side, Newton–Schulz then reducing its Gram matrix over them), for :func:`make_blockwise_optimizer`;
+    None for AdamW parameters. ``naive=True``: every Muon parameter gathered whole on every device (the baseline
+    this avoids)."""
     from k3jax.parallel.blocks import block_plan
     from k3jax.parallel.rules import metadata_tree, spec_for, variable_axes
 
@@ -218,11 +235,11 @@ def muon_plans(state, mesh, naive: bool = False) -> dict:
         d = muon_dims(var)
         if d is None:
             return None
-        target = muon_block_axis(d, len(var.shape))
-        if target is None and not naive:
-            return None
-        home = spec_for(variable_axes(var), tuple(var.shape), mesh)
-        return block_plan(tuple(var.shape), home, None if naive else target, mesh)
+        shape = tuple(var.shape)
+        home = spec_for(variable_axes(var), shape, mesh)
+        if naive:
+            return block_plan(shape, home, None, mesh)
+        return block_plan(shape, home, muon_block_axis(d, len(shape)), mesh, cols=muon_column_axis(d, shape))
 
     return metadata_tree(state, plan)
 
