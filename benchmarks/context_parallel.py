@@ -45,7 +45,11 @@ def _memory(compiled) -> dict:
     return out
 
 
-def train_step_row(preset: str, T: int, C: int, run: bool, reps: int) -> dict:
+def host_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def train_step_row(preset: str, T: int, C: int, run: bool, reps: int, host_budget: float = 0.6) -> dict:
     from k3jax.train.loop import TrainConfig, build_training, model_config, place_batch
 
     with tempfile.TemporaryDirectory() as d:
@@ -53,7 +57,7 @@ def train_step_row(preset: str, T: int, C: int, run: bool, reps: int) -> dict:
                                     f"mesh={'context=%d' % C if C > 1 else ''}", "progress=false"])
         c.validate()
         cfg = model_config(c)
-        setup = build_training(c, cfg)
+        setup = build_training(c, cfg, jax.devices()[:C] if C > 1 else None)
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, T + 1))
     batch = {"input_ids": ids[:, :-1].astype(np.int32), "targets": ids[:, 1:].astype(np.int32),
              "segment_ids": np.zeros((1, T), np.int32), "loss_mask": np.ones((1, T), np.float32)}
@@ -62,7 +66,11 @@ def train_step_row(preset: str, T: int, C: int, run: bool, reps: int) -> dict:
     t0 = time.perf_counter()
     compiled = setup.step_fn.lower(*args).compile()
     row = {"seq_len": T, "context": C, "compile_seconds": round(time.perf_counter() - t0, 1), **_memory(compiled)}
-    if run:
+    # the simulated devices share this host's RAM: all C of them must fit
+    row["fits_host"] = row["peak_bytes"] * C <= host_budget * host_memory_bytes()
+    if run and not row["fits_host"]:
+        row["not_run"] = f"{C} × {row['peak_bytes'] / 2**30:.1f} GiB exceeds {host_budget:.0%} of this host's RAM"
+    elif run:
         times = []
         state = args[:3]
         for i in range(reps + 1):
@@ -191,7 +199,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     cfg = resolve_config(a.preset)
     res: dict = {"benchmark": "context_parallel", "preset": a.preset, "devices": jax.device_count(),
-                 "cpus": os.cpu_count(), "backend": jax.default_backend(), "jax": jax.__version__,
+                 "cpus": os.cpu_count(), "host_memory_bytes": host_memory_bytes(), "backend": jax.default_backend(), "jax": jax.__version__,
                  "train_step": []}
     grid = [(T, C) for T in a.seq_lens for C in a.contexts]
     with Progress() as bar:

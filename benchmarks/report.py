@@ -396,6 +396,39 @@ def t_speculative(r: dict) -> str:
     return out
 
 
+def t_context_parallel(r: dict) -> str:
+    rows = [[num(x.get("seq_len"), ","), x.get("context"), gib(x.get("peak_bytes")), gib(x.get("argument_bytes")),
+             gib(x.get("temp_bytes")), num(x.get("compile_seconds"), ",.0f"),
+             num(x.get("step_seconds"), ",.1f") if "step_seconds" in x else "—",
+             num(x.get("tokens_per_s"), ",.0f") if "tokens_per_s" in x else "—"] for x in r.get("train_step", [])]
+    out = (f"{r.get('preset')} training step, batch 1, mesh `context=C` on {r.get('devices')} simulated CPU devices "
+           f"({r.get('cpus')} cores): memory per device from XLA's analysis of the compiled step (arguments = "
+           "parameters, optimizer state, batch; + temporaries); step time only where run. The simulated devices share "
+           "the host's cores, so time does not show CP's speed-up; memory per device is the figure that carries "
+           "over.\n\n" + table(["T", "context", "GiB/device", "arguments", "temporaries", "compile s", "step s",
+                                  "tokens/s"], rows))
+    kb = r.get("kda_collective_bytes", [])
+    if kb:
+        kinds = sorted({k for x in kb for k in x.get("collective_bytes", {})})
+        out += ("\n\nKDA context-parallel forward + backward on context=4 (H, K from the preset), collective operand "
+                "bytes read from the compiled program:\n\n" + table(
+                    ["T", *kinds], [[num(x.get("seq_len"), ","), *[num(x["collective_bytes"].get(k), ",")
+                                                                  for k in kinds]] for x in kb]))
+    m = r.get("muon", {})
+    if m.get("blocks"):
+        out += (f"\n\nPer-Head Muon update of the {m.get('params', 0):,} parameters on `{m.get('mesh')}`: "
+                "Newton–Schulz in whole-head/whole-expert layouts vs every momentum gathered whole.\n\n" + table(
+                    ["plan", "step ms", "temporaries", "all-gathers", "all-gather bytes", "largest all-gather",
+                     "compile s"],
+                    [[k, num(m[k].get("step_seconds", 0) * 1e3, ",.0f"), mib(m[k].get("temp_bytes")),
+                      m[k].get("all_gathers"), num(m[k].get("all_gather_bytes"), ","),
+                      num(m[k].get("largest_all_gather_bytes"), ","), num(m[k].get("compile_seconds"), ",.0f")]
+                     for k in ("blocks", "naive") if k in m]))
+    if r.get("plot"):
+        out += f"\n\n![context parallelism: memory per device and KDA collective bytes]({Path(r['plot']).name})"
+    return out
+
+
 def t_generic(r: dict) -> str:
     rows = [[k, num(v, ",.4g") if isinstance(v, float) else v] for k, v in r.items()
             if isinstance(v, (int, float, str, bool)) and k not in META]
@@ -405,7 +438,8 @@ def t_generic(r: dict) -> str:
 FORMATTERS: dict[str, Callable[[dict], str]] = {
     "roofline": t_roofline, "kda": t_kda, "model": t_model, "train_throughput": t_train,
     "inference.decode": t_decode, "inference.cache": t_cache, "inference.vs-transformers": t_vs_transformers,
-    "inference.prefill": t_prefill, "serve": t_serve, "prefix_cache": t_prefix_cache, "speculative": t_speculative, "moonep": t_moonep, "balance": t_balance, "load_rss": t_load_rss}
+    "inference.prefill": t_prefill, "serve": t_serve, "prefix_cache": t_prefix_cache, "speculative": t_speculative,
+    "context_parallel": t_context_parallel, "moonep": t_moonep, "balance": t_balance, "load_rss": t_load_rss}
 META = {"command", "module_command", "wall_seconds", "recorded", "quick", "roofline", "benchmark"}
 
 

@@ -81,6 +81,12 @@ BENCHMARKS: dict[str, Bench] = {
     "speculative": Bench("speculative", "speculative decoding (100m): decode tokens/s plain vs prompt lookup k=2/4/8 "
                          "and a draft model, copy-heavy and free generation, batch 1 and 8 slots; replay cost",
                          "speculative", ("--plot", "benchmarks/speculative.png"), ("--quick",)),
+    "context_parallel": Bench("context_parallel", "context parallelism (100m, 8 simulated devices): memory per device "
+                              "of a training step at T=8k/32k/64k × context 1/2/4/8, KDA CP collective bytes vs T, "
+                              "Per-Head Muon in whole blocks vs gathered whole", "context_parallel",
+                              ("--plot", "benchmarks/context_parallel.png"),
+                              ("--preset", "tiny", "--seq-lens", "1024", "--contexts", "1", "2", "--run-up-to", "1024",
+                               "--reps", "1", "--kda-seq-lens", "1024", "4096"), isolated=True),
     "load_rss": Bench("load_rss", "peak host RSS while loading a multi-shard MXFP4 checkpoint", "load_rss",
                       quick=("--hidden", "128", "--experts", "8", "--layers", "4", "--shard-size", "2MB")),
 }

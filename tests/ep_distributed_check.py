@@ -1,5 +1,5 @@
 """One of two processes × 4 CPU devices (jax.distributed on localhost): the first ``stop`` steps of the 20-step
-``ep_train_check`` run (its model, :data:`ep_train_model.MODEL`) on mesh data=2,expert=4; process 0 prints the
+``ep_train_check`` run (its model, :data:`ep_train_model.MODEL`) on mesh context=2,data=2,expert=2; process 0 prints the
 losses."""
 
 import json
@@ -25,7 +25,7 @@ assert jax.device_count() == 8 and jax.local_device_count() == 4
 losses = []
 c = TrainConfig.load(None, [f"out={out}", *MODEL, f"steps={steps}", "batch_size=8", "seq_len=32",
                             "eval_every=1000", f"save_every={steps}", "resume=false", "progress=false",
-                            "mesh=data=2,expert=4", "ep_method=moonep", "corpus_bytes=200000"])
+                            "mesh=context=2,data=2,expert=2", "ep_method=moonep", "corpus_bytes=200000"])
 train(c, console=Console(file=open(os.devnull, "w")), stop_after=stop, on_step=lambda s, r: losses.append(r["loss"]))
 if pid == 0:
     print(json.dumps({"losses": losses}))

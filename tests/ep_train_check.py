@@ -1,5 +1,6 @@
-"""Under 8 simulated CPU devices: ``train`` on mesh data=2,expert=4 (MoonEP) vs one device; prints the losses.
-With a second argument also fsdp=2,expert=2,tensor=2 and context=2,data=2,expert=2.
+"""Under 8 simulated CPU devices: ``train`` on mesh context=2,data=2,expert=2 (sequences split along time, MoonEP,
+data parallelism) vs one device; prints the losses. With a second argument also fsdp=2,expert=2,tensor=2 (weights
+sharded by their metadata, Per-Head Muon in whole-block layouts).
 
 The model is :data:`ep_train_model.MODEL` (the test preset cut to 3 layers, every layer kind kept)."""
 
@@ -8,6 +9,7 @@ import logging
 import os
 import sys
 import tempfile
+import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import jax  # noqa: E402
@@ -35,29 +37,32 @@ logging.getLogger("jax").propagate = False     # the compile log goes to the cou
 def losses(mesh: str, method: str, steps: int, stop: int | None = None) -> list[float]:
     from rich.console import Console
 
-    out = []
+    out, times = [], [time.perf_counter()]
     STEP_COMPILES.clear()
     with tempfile.TemporaryDirectory() as d:
         c = TrainConfig.load(None, [f"out={d}", *MODEL, f"steps={steps}", "batch_size=8", "seq_len=32",
                                     "eval_every=1000", f"save_every={steps}", "resume=false", "progress=false",
                                     f"mesh={mesh}", f"ep_method={method}", "corpus_bytes=200000"])
         train(c, console=Console(file=open(os.devnull, "w")), stop_after=stop,
-              on_step=lambda s, r: out.append(r["loss"]))
+              on_step=lambda s, r: (out.append(r["loss"]), times.append(time.perf_counter())))
     COMPILES[mesh or "single"] = len(STEP_COMPILES)
+    # seconds to the first step's end (model, compile, step 1), then of the other steps
+    SECONDS[mesh or "single"] = [round(times[1] - times[0], 1), round(times[-1] - times[1], 1)]
     return out
 
 
 COMPILES: dict[str, int] = {}
+SECONDS: dict[str, list[float]] = {}
 
 
 if __name__ == "__main__":
     steps = int(sys.argv[1]) if len(sys.argv) > 1 else 20
     tight = 10    # the first 10 steps of the 20-step schedule (see test_ep for why no more are compared)
-    res = {"single": losses("", "moonep", steps, stop=tight), "moonep": losses("data=2,expert=4", "moonep", steps,
-                                                                              stop=tight)}
+    # one device; sequences split along time (k3jax.parallel.context) with MoonEP and data parallelism at once
+    res = {"single": losses("", "moonep", steps, stop=tight),
+           "context": losses("context=2,data=2,expert=2", "moonep", steps, stop=tight)}
     if len(sys.argv) > 2:
         res["fsdp_tensor"] = losses("fsdp=2,expert=2,tensor=2", "moonep", steps, stop=6)  # same schedule, 6 steps
-        # sequences split along time (k3jax.parallel.context) with MoonEP and data parallelism at once
-        res["context"] = losses("context=2,data=2,expert=2", "moonep", steps, stop=tight)
     res["step_compiles"] = COMPILES         # per mesh: how often the training step compiled in that run
+    res["seconds"] = SECONDS
     print(json.dumps(res))

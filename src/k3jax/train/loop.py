@@ -240,10 +240,11 @@ class TrainSetup:
     mesh: Any
 
 
-def build_training(c: TrainConfig, cfg: K3Config) -> TrainSetup:
+def build_training(c: TrainConfig, cfg: K3Config, devices: list | None = None) -> TrainSetup:
     """The model's initial state and the jitted steps for ``c``. On a mesh (``c.mesh``) the state is laid out by its logical axes, routed experts run over MoonEP,
     sequences split along time over the ``context`` axis, and Muon's Newton–Schulz runs in whole-head/whole-expert
-    layouts (:func:`~k3jax.train.optim.muon_plans`: no momentum is gathered whole)."""
+    layouts (:func:`~k3jax.train.optim.muon_plans`: no momentum is gathered whole). ``devices``: the mesh's devices
+    (default: all of them)."""
     model = K3ForCausalLM(cfg, rngs=nnx.Rngs(c.seed))
     graphdef, params_st, rest_st = nnx.split(model, nnx.Param, ...)
     params, rest = nnx.to_pure_dict(params_st), nnx.to_pure_dict(rest_st)
@@ -253,7 +254,7 @@ def build_training(c: TrainConfig, cfg: K3Config) -> TrainSetup:
         from k3jax.parallel.mesh import make_mesh
         from k3jax.parallel.rules import axes_tree, shard_pure
 
-        mesh = make_mesh(c.mesh)                        # the sizes were checked against the batch in validate()
+        mesh = make_mesh(c.mesh, devices)               # the sizes were checked against the batch in validate()
         params, rest = shard_pure(params, axes_tree(params_st), mesh), shard_pure(rest, axes_tree(rest_st), mesh)
         ep = ExpertParallel(mesh, c.ep_method)
         cp = ContextParallel(mesh) if mesh.shape["context"] > 1 else None

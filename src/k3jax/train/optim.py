@@ -129,12 +129,15 @@ def newton_schulz(x: jax.Array, dims: MDN, steps: int = 5, coeffs=NS_COEFFS, eps
     norm = jnp.sqrt(total(jnp.sum(jnp.square(x), axis=red + out, keepdims=True)))
     x = x / (norm + eps)
     a0, a1, a2 = (jnp.asarray(c, x.dtype) for c in coeffs)
-    for _ in range(steps):
+    def iteration(_, x):
         A = total(jnp.einsum(f"{xs},{xs2}->{a_spec}", x, x, precision=hi))                 # X Xᵀ
         AA = jnp.einsum(f"{bs}{rs}{third},{bs}{third}{rs2}->{a_spec}", A, A, precision=hi)
         Bm = a1 * A + a2 * AA
-        x = a0 * x + jnp.einsum(f"{a_spec},{xs2}->{xs}", Bm, x, precision=hi)
-    return x
+        return a0 * x + jnp.einsum(f"{a_spec},{xs2}->{xs}", Bm, x, precision=hi)
+
+    # a loop, not unrolled: a model has dozens of Muon parameters, and unrolled iterations multiply the update's
+    # program (and its compile time) by ``steps``
+    return jax.lax.fori_loop(0, steps, iteration, x)
 
 
 def muon_block_axis(dims: MDN, ndim: int) -> int | None:
