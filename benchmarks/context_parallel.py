@@ -1,7 +1,7 @@
 """Context parallelism and Per-Head Muon under FSDP/TP: what one device holds and what the collectives carry.
 
     .venv/bin/python -m benchmarks.context_parallel [--preset 100m] [--seq-lens 8192 32768 65536]
-        [--contexts 1 2 4 8] [--run-up-to 8192] [--json out.json] [--plot benchmarks/context_parallel.png]
+        [--contexts 1 2 4 8] [--rows T:C ...] [--run-up-to 8192] [--json out.json] [--plot PNG]
 
 Runs on 8 simulated CPU devices (``--xla_force_host_platform_device_count=8`` is set here). Three parts:
 
@@ -185,6 +185,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--preset", default="100m")
     ap.add_argument("--seq-lens", type=int, nargs="+", default=[8192, 32768, 65536])
     ap.add_argument("--contexts", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--rows", nargs="+", default=None, metavar="T:C",
+                    help="these (sequence length, context) pairs instead of the --seq-lens × --contexts grid")
     ap.add_argument("--run-up-to", type=int, default=8192, help="time steps only at T up to this (compile-only "
                     "memory analysis above it)")
     ap.add_argument("--reps", type=int, default=2)
@@ -201,7 +203,8 @@ def main(argv: list[str] | None = None) -> dict:
     res: dict = {"benchmark": "context_parallel", "preset": a.preset, "devices": jax.device_count(),
                  "cpus": os.cpu_count(), "host_memory_bytes": host_memory_bytes(), "backend": jax.default_backend(), "jax": jax.__version__,
                  "train_step": []}
-    grid = [(T, C) for T in a.seq_lens for C in a.contexts]
+    grid = ([tuple(int(v) for v in r.split(":")) for r in a.rows] if a.rows else
+            [(T, C) for T in a.seq_lens for C in a.contexts])
     with Progress() as bar:
         task = bar.add_task("train steps", total=len(grid))
         for T, C in grid:
