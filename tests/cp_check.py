@@ -140,8 +140,12 @@ def model_check(cp: ContextParallel) -> dict:
     ids = jax.random.randint(jax.random.key(1), (B, T), 0, cfg.vocab_size)
     seg = jnp.zeros((B, T), jnp.int32).at[0, 12:].set(1).at[1, 30:].set(1).at[1, 40:].set(2)
 
+    from k3jax.parallel.ep import ExpertParallel
+
+    ep = ExpertParallel(cp.mesh)            # no expert axis: each device runs the routed experts on its own tokens
+
     def loss(p, cp=None):
-        out = nnx.merge(gd, p, rest)(ids, segment_ids=seg, cp=cp)
+        out = nnx.merge(gd, p, rest)(ids, segment_ids=seg, cp=cp, ep=None if cp is None else ep)
         return jnp.mean(jax.nn.log_softmax(out.logits)[..., :7]), out.logits
 
     (l1, lg1), g1 = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)

@@ -56,7 +56,8 @@ def test_conv_halo_and_mla_context_parallel_equal_one_device(cp):
 @pytest.mark.xdist_group("context_parallel")
 def test_model_on_a_context_mesh_equals_one_device(cp):
     """The 3-layer test model (KDA + dense MLP, KDA + MoE, MLA + MoE; Block AttnRes) on mesh context=4,data=2 with
-    packed documents: logits and every parameter's gradient == one device (≤ 1e-5, fp32)."""
+    packed documents (routed experts per device on its own tokens: no expert axis): logits and every parameter's
+    gradient == one device (≤ 1e-5, fp32)."""
     d = cp["model"]
     assert close(d["logits"], d["logit_scale"]), d
     assert close(d["grads"], d["grad_scale"]), d

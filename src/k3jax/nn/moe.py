@@ -122,10 +122,12 @@ class MoE(nnx.Module):
         w, idx = router_topk(logits, bias, **self.cfg_route)
         z = self.routed_expert_down_proj(xf) if self.latent else xf
         weights = self.experts.weights(z.dtype)
+        fn = moe_grouped if grouped else moe_per_token
         if ep is not None and ep.active:
             y = ep(z, idx, w, *weights, self.act).astype(x.dtype)
+        elif ep is not None:                             # a mesh without an expert axis: each device its own tokens
+            y = ep.local(fn, z, idx, w, *weights, self.act).astype(x.dtype)
         else:
-            fn = moe_grouped if grouped else moe_per_token
             y = fn(z, idx, w, *weights, self.act).astype(x.dtype)
         if self.latent:
             if self.routed_expert_norm is not None:

@@ -207,6 +207,28 @@ class ExpertParallel:
         return moe_expert_parallel(z, idx, w, w1, w3, w2, act, mesh=self.mesh, method=self.method,
                                    capacity_factor=self.capacity_factor, exchange=self.exchange)
 
+    def local_axes(self, n_tokens: int) -> tuple[str, ...]:
+        """Without an expert axis: the mesh axes the tokens are split over (data-like and context, as many as
+        divide ``n_tokens``); empty when there is nothing to split."""
+        axes, size = [], 1
+        for a in token_axes(self.mesh):
+            if a != "expert" and self.mesh.shape[a] > 1 and n_tokens % (size * self.mesh.shape[a]) == 0:
+                axes.append(a)
+                size *= self.mesh.shape[a]
+        return tuple(axes)
+
+    def local(self, fn, z, idx, w, w1, w3, w2, act):
+        """``fn`` (a dropless routed-expert function, e.g. ``moe_grouped``) on each device's own tokens, in
+        ``shard_map`` over :meth:`local_axes` with the expert weights whole: the tokens' sort by expert is then a
+        per-device sort. Left to the partitioner, a sort over all tokens gathers every token to every device,
+        which undoes the split of a long sequence over the context axis."""
+        axes = self.local_axes(z.shape[0])
+        if not axes:
+            return fn(z, idx, w, w1, w3, w2, act)
+        t = P(axes)
+        return jax.shard_map(lambda z, idx, w, w1, w3, w2: fn(z, idx, w, w1, w3, w2, act), mesh=self.mesh,
+                             in_specs=(t, t, t, P(), P(), P()), out_specs=t, check_vma=False)(z, idx, w, w1, w3, w2)
+
 
 def token_axes(mesh: jax.sharding.Mesh) -> tuple[str, ...]:
     """Mesh axes the token dimension is split over (everything data-like, the context axis — tokens ``[B, T]``
