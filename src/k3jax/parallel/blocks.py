@@ -8,7 +8,7 @@ then a sum of per-device partial products, one ``psum`` of a small matrix per it
 is local. A single matrix (no block axis) is split along its columns alone.
 
 XLA's partitioner does not always find that reshard by itself (it falls back to gathering the whole array and
-slicing), so :func:`to_blocks` / :func:`from_blocks` spell it out, one collective per mesh axis that moves:
+slicing), so :func:`to_blocks_local` / :func:`from_blocks_local` spell it out, one collective per mesh axis that moves:
 
 * an axis that splits another dimension in the parameter's layout → one ``all_to_all`` moving the split to the
   block (or column) axis: each device sends away what it will not own and receives the rest of what it will;
@@ -18,7 +18,7 @@ slicing), so :func:`to_blocks` / :func:`from_blocks` spell it out, one collectiv
 An axis the parameter is replicated over moves nothing: its devices compute the same blocks, as data-parallel
 replicas compute the same update.
 
-``from_blocks`` runs the inverse steps in reverse order.
+``from_blocks_local`` runs the inverse steps in reverse order.
 """
 
 from __future__ import annotations
@@ -113,18 +113,6 @@ def from_blocks_local(x: jax.Array, plan: BlockPlan) -> jax.Array:
         else:
             x = _slice(x, a, src)
     return x
-
-
-def to_blocks(x: jax.Array, plan: BlockPlan) -> jax.Array:
-    """``x`` (laid out as ``plan.home``) → the same values laid out as ``plan.block``."""
-    return jax.shard_map(lambda x: to_blocks_local(x, plan), mesh=plan.mesh, in_specs=plan.home,
-                         out_specs=plan.block, check_vma=False)(x)
-
-
-def from_blocks(x: jax.Array, plan: BlockPlan) -> jax.Array:
-    """The inverse of :func:`to_blocks`: ``plan.block`` → ``plan.home``."""
-    return jax.shard_map(lambda x: from_blocks_local(x, plan), mesh=plan.mesh, in_specs=plan.block,
-                         out_specs=plan.home, check_vma=False)(x)
 
 
 def apply_in_blocks(fn, x: jax.Array, plan: BlockPlan) -> jax.Array:
