@@ -11,7 +11,7 @@ from k3jax import K3Config
 from k3jax.nn.layers import KeyGen
 from k3jax.nn.moe import MoE, activation
 from k3jax.ops.attnres import attnres_mix
-from k3jax.ops.grouped import moe_grouped, moe_per_token
+from k3jax.ops.grouped import GROUPED_STRATEGIES, choose_tile, grouped_matmul, moe_grouped, moe_per_token, tile_count
 from k3jax.ops.routing import router_topk
 from k3jax.ops.situ import situ_glu
 
@@ -80,23 +80,62 @@ def routed(rng, N, E, D, I, k, mode):
     return x, idx, w, ws
 
 
+@pytest.mark.parametrize("strategy", GROUPED_STRATEGIES)
 @pytest.mark.parametrize("mode", ["random", "one_expert", "one_rank"])
-def test_dropless_grouped_matches_per_token(rng, mode):
+def test_dropless_grouped_matches_per_token(rng, mode, strategy):
     N, E, D, I, k = 48, 16, 24, 20, 4
     x, idx, w, (w1, w3, w2) = routed(rng, N, E, D, I, k, mode)
     if mode == "one_expert":
         assert int(jnp.sum(idx == 0)) == N
     act = lambda a, u: situ_glu(a, u, 4.0, 25.0)  # noqa: E731
-    y = moe_grouped(x, idx, w, w1, w3, w2, act)
+    y = moe_grouped(x, idx, w, w1, w3, w2, act, strategy=strategy)
     y_ref = moe_per_token(x, idx, w, w1, w3, w2, act)
     assert float(jnp.max(jnp.abs(y - y_ref))) <= 1e-5 * float(jnp.max(jnp.abs(y_ref)))
     # and against an explicit dense evaluation of every expert on every token
     dense = jnp.stack([act(x @ w1[e], x @ w3[e]) @ w2[e] for e in range(E)], 1)          # [N, E, D]
     y_dense = jnp.sum(jnp.take_along_axis(dense, idx[..., None], 1) * w[..., None], 1)
     assert float(jnp.max(jnp.abs(y - y_dense))) <= 1e-5 * float(jnp.max(jnp.abs(y_dense)))
-    gx = jax.grad(lambda x_: jnp.sum(moe_grouped(x_, idx, w, w1, w3, w2, act) ** 2))(x)
-    gx_ref = jax.grad(lambda x_: jnp.sum(moe_per_token(x_, idx, w, w1, w3, w2, act) ** 2))(x)
-    assert float(jnp.max(jnp.abs(gx - gx_ref))) <= 1e-5 * float(jnp.max(jnp.abs(gx_ref)))
+    grads = jax.grad(lambda *a: jnp.sum(moe_grouped(*a, act, strategy=strategy) ** 2), argnums=(0, 2, 3, 4, 5))
+    grads_ref = jax.grad(lambda *a: jnp.sum(moe_per_token(*a, act) ** 2), argnums=(0, 2, 3, 4, 5))
+    for name, g, g_ref in zip(("x", "weights", "w1", "w3", "w2"), grads(x, idx, w, w1, w3, w2),
+                              grads_ref(x, idx, w, w1, w3, w2)):
+        assert float(jnp.max(jnp.abs(g - g_ref))) <= 1e-5 * float(jnp.max(jnp.abs(g_ref))), name
+
+
+@pytest.mark.parametrize("tile", [8, 16, None])
+def test_tiled_grouped_matmul_equals_per_group_numpy(rng, tile):
+    # adversarial group sizes: empty groups (first, middle, last), one group with every row, sizes that are and
+    # are not multiples of the tile, and Σ sizes < M (the rows past the groups must come back as zeros)
+    M, D, I, G = 40, 6, 5, 7
+    x = rng.normal(size=(M, D))
+    w = rng.normal(size=(G, D, I))
+    dy = rng.normal(size=(M, I))
+    for sizes in ([0, 5, 0, 8, 16, 11, 0], [0, 0, 40, 0, 0, 0, 0], [1] * 7, [3, 0, 9, 0, 2, 0, 1], [40] + [0] * 6):
+        sizes = np.asarray(sizes)
+        g = np.repeat(np.arange(G), sizes)
+        want = np.zeros((M, I))
+        want[:len(g)] = np.einsum("md,mdi->mi", x[:len(g)], w[g])
+        f = lambda x_, w_: grouped_matmul(x_, w_, jnp.asarray(sizes, jnp.int32), tile=tile)  # noqa: E731
+        y, pull = jax.vjp(f, jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32))
+        np.testing.assert_allclose(np.asarray(y), want, atol=1e-5, err_msg=str(sizes))
+        dx, dw = pull(jnp.asarray(dy, jnp.float32))
+        dx_want = np.zeros((M, D))
+        dx_want[:len(g)] = np.einsum("mi,mdi->md", dy[:len(g)], w[g])
+        dw_want = np.zeros((G, D, I))
+        np.add.at(dw_want, g, np.einsum("md,mi->mdi", x[:len(g)], dy[:len(g)]))
+        np.testing.assert_allclose(np.asarray(dx), dx_want, atol=1e-5, err_msg=str(sizes))
+        np.testing.assert_allclose(np.asarray(dw), dw_want, atol=1e-5, err_msg=str(sizes))
+        ragged = jax.lax.ragged_dot(jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32),
+                                    jnp.asarray(sizes, jnp.int32), precision=jax.lax.Precision.HIGHEST)
+        np.testing.assert_allclose(np.asarray(y), np.asarray(ragged), atol=1e-5)
+
+
+def test_tile_choice_bounds_the_padding():
+    # few large groups get large tiles, many small groups small ones; the static tile count covers any sizes
+    assert choose_tile(2048, 16, 256, 1536) > choose_tile(2048, 224, 64, 96)
+    for M, G, t in ((2048, 16, 128), (2048, 224, 8), (40, 7, 16)):
+        worst = sum(-(-s // t) for s in [1] * (G - 1) + [M - (G - 1)])   # G−1 groups of one row, one of the rest
+        assert worst <= tile_count(M, G, t)
 
 
 def test_latent_moe_block_closed_form(rng):

@@ -1,4 +1,16 @@
-"""Dropless routed-expert FFN: grouped matmul on tokens sorted by expert, and a per-token reference."""
+"""Dropless routed-expert FFN: grouped matmul on tokens sorted by expert, and a per-token reference.
+
+Two grouped-matmul strategies (:data:`GROUPED_STRATEGIES`), the same arithmetic:
+
+* ``"tiles"`` (the default): the sorted rows are laid out in tiles of ``t`` rows, each group padded to whole tiles,
+  so every tile belongs to one group; one batched GEMM multiplies each tile by its group's weight. The tile count
+  has the static bound ``⌊(M + G·(t−1)) / t⌋`` (every group wastes at most ``t−1`` rows), so the FLOPs are
+  ``(M + G·(t−1))/M`` of the exact grouped product at worst; :func:`choose_tile` picks ``t`` from ``M``, ``G`` and
+  the weight size. Plain autodiff (gathers and a batched ``dot_general``).
+* ``"ragged"``: ``jax.lax.ragged_dot``. XLA:CPU (0.10) lowers it to a dense product of every row with every group's
+  weight under a mask — G× the FLOPs (16× for the 100m preset, 224× for a MoonEP rank of K3) — see
+  ``benchmarks/grouped.py``; kept for accelerators with a native grouped GEMM.
+"""
 
 from __future__ import annotations
 
@@ -14,12 +26,13 @@ Act = Callable[[jax.Array, jax.Array], jax.Array]
 
 
 def moe_grouped(x: jax.Array, idx: jax.Array, weights: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-                w_down: jax.Array, act: Act) -> jax.Array:
+                w_down: jax.Array, act: Act, strategy: str | None = None) -> jax.Array:
     """``y_t = Σ_j w_{tj} · E_{idx_{tj}}(x_t)``, ``E_e(x) = act(x W1_e, x W3_e) W2_e``; no capacity, no drop.
 
     ``x [N, D]``, ``idx, weights [N, k]``, ``w_gate, w_up [E, D, I]``, ``w_down [E, I, D]``. The N·k (token, expert)
-    pairs are sorted by expert and pushed through ``jax.lax.ragged_dot`` with per-expert group sizes; the
-    combine is in fp32. Returns ``[N, D]`` fp32.
+    pairs are sorted by expert and pushed through :func:`grouped_ffn` with per-expert group sizes (``strategy``:
+    one of :data:`GROUPED_STRATEGIES`, default :data:`DEFAULT_STRATEGY`); the combine is in fp32. Returns
+    ``[N, D]`` fp32.
     """
     N, k = idx.shape
     E = w_gate.shape[0]
@@ -29,18 +42,110 @@ def moe_grouped(x: jax.Array, idx: jax.Array, weights: jax.Array, w_gate: jax.Ar
     xs = jnp.take(x, tok, axis=0)                                          # [N·k, D]
     sizes = jnp.zeros((E,), jnp.int32).at[flat].add(1)
     f = acc_dtype(x)
-    out = grouped_ffn(xs, sizes, w_gate, w_up, w_down, act)
+    out = grouped_ffn(xs, sizes, w_gate, w_up, w_down, act, strategy=strategy)
     wsorted = jnp.take(weights.reshape(-1), order).astype(f)
     return jnp.zeros((N, x.shape[-1]), f).at[tok].add(out.astype(f) * wsorted[:, None])
 
 
+GROUPED_STRATEGIES = ("tiles", "ragged")
+DEFAULT_STRATEGY = "tiles"
+
+
+def choose_tile(M: int, G: int, D: int, I: int) -> int:
+    """Tile rows ``t`` for ``M`` sorted rows in ``G`` groups through ``[D, I]`` weights: the power of two in
+    8…512 minimising ``rows·(2·D·I) + tiles·(per-tile cost)``, with the per-tile cost the weight tile's copy
+    (``4·D·I`` bytes at ~32 FLOP/byte, a CPU's GEMM-to-bandwidth ratio) plus a fixed ~8 rows of call overhead.
+    Many small groups get small tiles (little padding), few large groups large ones (few weight copies)."""
+    best, best_cost = 8, None
+    for t in (8, 16, 32, 64, 128, 256, 512):
+        if t > max(8, M):
+            break
+        nt = tile_count(M, G, t)
+        cost = nt * t * 2 * D * I + nt * (4 * D * I * 32 + 8 * 2 * D * I)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = t, cost
+    return best
+
+
+def tile_count(M: int, G: int, t: int) -> int:
+    """The static bound on tiles of ``t`` rows for ``M`` rows in ``G`` groups, each padded to whole tiles."""
+    return max(1, (M + G * (t - 1)) // t)
+
+
+def tile_layout(sizes: jax.Array, M: int, t: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Where each of ``M`` rows sorted into groups of ``sizes [G]`` (Σ ≤ M) goes when every group is padded to
+    whole tiles of ``t`` rows. Returns ``(src [nt·t]`` the row at each tiled position (``M`` = padding),
+    ``group [nt]`` each tile's group, ``dest [M]`` each row's tiled position (``nt·t`` for rows past the groups))
+    with ``nt = tile_count(M, G, t)``."""
+    G = sizes.shape[0]
+    nt = tile_count(M, G, t)
+    sizes = sizes.astype(jnp.int32)
+    end = jnp.cumsum(sizes)
+    start = end - sizes
+    tiles = (sizes + t - 1) // t
+    tile_end = jnp.cumsum(tiles)
+    tile_start = tile_end - tiles
+    r = jnp.arange(M, dtype=jnp.int32)
+    g = jnp.minimum(jnp.searchsorted(end, r, side="right"), G - 1)          # each row's group
+    dest = jnp.where(r < end[-1], tile_start[g] * t + (r - start[g]), nt * t).astype(jnp.int32)
+    src = jnp.full((nt * t,), M, jnp.int32).at[dest].set(r, mode="drop")
+    group = jnp.minimum(jnp.searchsorted(tile_end, jnp.arange(nt, dtype=jnp.int32), side="right"), G - 1)
+    return src, group.astype(jnp.int32), dest
+
+
+def _tiled_dot(xt: jax.Array, w: jax.Array, group: jax.Array, out_dtype) -> jax.Array:
+    """``xt [nt, t, D]`` tile by tile through its group's ``w [G, D, I]`` → ``[nt, t, I]``."""
+    return jnp.einsum("ntd,ndi->nti", xt, jnp.take(w, group, axis=0).astype(xt.dtype), precision=HIGHEST,
+                      preferred_element_type=out_dtype)
+
+
+def grouped_matmul(xs: jax.Array, w: jax.Array, sizes: jax.Array, *, strategy: str | None = None,
+                   tile: int | None = None, preferred_element_type=None) -> jax.Array:
+    """``y_r = x_r W_{g(r)}`` for rows ``xs [M, D]`` sorted into consecutive groups of ``sizes [G]`` (Σ ≤ M; rows
+    past the groups give 0), ``w [G, D, I]`` → ``[M, I]`` (what ``jax.lax.ragged_dot`` computes). ``strategy``:
+    one of :data:`GROUPED_STRATEGIES`; ``tile``: the tile rows of ``"tiles"`` (default :func:`choose_tile`)."""
+    strategy = _check_strategy(strategy)
+    out_dtype = preferred_element_type or jnp.result_type(xs.dtype, w.dtype)
+    if strategy == "ragged":
+        return jax.lax.ragged_dot(xs, w, sizes, precision=HIGHEST, preferred_element_type=out_dtype)
+    M, D = xs.shape
+    G, _, I = w.shape
+    t = tile or choose_tile(M, G, D, I)
+    src, group, dest = tile_layout(sizes, M, t)
+    xt = jnp.take(xs, src, axis=0, mode="fill", fill_value=0).reshape(-1, t, D)
+    y = _tiled_dot(xt, w, group, out_dtype).reshape(-1, I)
+    return jnp.take(y, dest, axis=0, mode="fill", fill_value=0)
+
+
+def _check_strategy(strategy: str | None) -> str:
+    strategy = DEFAULT_STRATEGY if strategy is None else strategy
+    if strategy not in GROUPED_STRATEGIES:
+        raise ValueError(f"grouped matmul: strategy must be one of {GROUPED_STRATEGIES}, got {strategy!r}")
+    return strategy
+
+
 def grouped_ffn(xs: jax.Array, sizes: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
-                act: Act) -> jax.Array:
+                act: Act, *, strategy: str | None = None, tile: int | None = None) -> jax.Array:
     """Rows ``xs [M, D]`` sorted into consecutive groups of ``sizes [G]`` (Σ ≤ M; rows past the groups give 0),
-    group g through expert g: ``act(x W1_g, x W3_g) W2_g`` → ``[M, D]`` in ``promote(dtype, f32)``."""
-    h = act(jax.lax.ragged_dot(xs, w_gate, sizes, precision=HIGHEST),
-            jax.lax.ragged_dot(xs, w_up, sizes, precision=HIGHEST))
-    return jax.lax.ragged_dot(h, w_down, sizes, precision=HIGHEST, preferred_element_type=acc_dtype(xs))
+    group g through expert g: ``act(x W1_g, x W3_g) W2_g`` → ``[M, D]`` in ``promote(dtype, f32)``.
+
+    ``"tiles"`` lays the rows out once (:func:`tile_layout`) and runs all three products and the activation
+    in the tiled layout (padding rows are zeros and are never read back)."""
+    strategy = _check_strategy(strategy)
+    f = acc_dtype(xs)
+    if strategy == "ragged":
+        h = act(jax.lax.ragged_dot(xs, w_gate, sizes, precision=HIGHEST),
+                jax.lax.ragged_dot(xs, w_up, sizes, precision=HIGHEST))
+        return jax.lax.ragged_dot(h, w_down, sizes, precision=HIGHEST, preferred_element_type=f)
+    M, D = xs.shape
+    G, _, I = w_gate.shape
+    t = tile or choose_tile(M, G, D, 3 * I)
+    src, group, dest = tile_layout(sizes, M, t)
+    xt = jnp.take(xs, src, axis=0, mode="fill", fill_value=0).reshape(-1, t, D)
+    dt = jnp.result_type(xs.dtype, w_gate.dtype)
+    h = act(_tiled_dot(xt, w_gate, group, dt), _tiled_dot(xt, w_up, group, dt))
+    y = _tiled_dot(h, w_down, group, f).reshape(-1, D)
+    return jnp.take(y, dest, axis=0, mode="fill", fill_value=0)
 
 
 def moe_per_token(x: jax.Array, idx: jax.Array, weights: jax.Array, w_gate: jax.Array, w_up: jax.Array,
