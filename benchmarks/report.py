@@ -429,6 +429,31 @@ def t_context_parallel(r: dict) -> str:
     return out
 
 
+def t_step_profile(r: dict) -> str:
+    step = r.get("step_seconds") or 1.0
+    before = r.get("before") or {}
+    out = (f"{r.get('preset')} training step, B={r.get('batch')} T={r.get('seq_len')}: "
+           f"{num(step, ',.3f')} s, {num(r.get('tokens_per_s'), ',.0f')} tokens/s, MFU {pct(r.get('mfu'))}"
+           + (f" (before: {num(before.get('step_seconds'), ',.3f')} s, MFU {pct(before.get('mfu'))})" if before else "")
+           + f"; grouped matmul `{r.get('grouped_strategy')}`; Newton–Schulz "
+           f"{num((r.get('newton_schulz_flops') or 0) / 1e9, ',.1f')} GFLOP a step (not model FLOPs). Components "
+           "are jitted sub-steps on the step's shapes (fwd+bwd × count); unattributed = step − their sum.\n\n")
+    groups = sorted((r.get("groups") or {}).items(), key=lambda kv: -kv[1])
+    rows = [[g, num(s, ",.3f"), pct(s / step), num((before.get("groups") or {}).get(g), ",.3f")
+             if before else "—"] for g, s in groups]
+    rows.append(["unattributed", num(r.get("unattributed_seconds"), "+,.3f"),
+                 pct((r.get("unattributed_seconds") or 0) / step),
+                 num(before.get("unattributed_seconds"), "+,.3f") if before else "—"])
+    out += table(["component group", "s / step", "share", "before s"], rows)
+    comp = [[c.get("name"), c.get("count"), num(c.get("forward_s", 0) * 1e3, ",.2f"),
+             num(c.get("forward_backward_s", 0) * 1e3, ",.2f"), num(c.get("step_s", 0), ",.3f")]
+            for c in r.get("components", []) if c.get("count")]
+    out += "\n\n" + table(["component", "count", "fwd ms", "fwd+bwd ms", "s / step"], comp)
+    if r.get("plot"):
+        out += f"\n\n![training step by component]({Path(r['plot']).name})"
+    return out
+
+
 def t_generic(r: dict) -> str:
     rows = [[k, num(v, ",.4g") if isinstance(v, float) else v] for k, v in r.items()
             if isinstance(v, (int, float, str, bool)) and k not in META]
@@ -439,7 +464,8 @@ FORMATTERS: dict[str, Callable[[dict], str]] = {
     "roofline": t_roofline, "kda": t_kda, "model": t_model, "train_throughput": t_train,
     "inference.decode": t_decode, "inference.cache": t_cache, "inference.vs-transformers": t_vs_transformers,
     "inference.prefill": t_prefill, "serve": t_serve, "prefix_cache": t_prefix_cache, "speculative": t_speculative,
-    "context_parallel": t_context_parallel, "moonep": t_moonep, "balance": t_balance, "load_rss": t_load_rss}
+    "context_parallel": t_context_parallel, "moonep": t_moonep, "balance": t_balance, "load_rss": t_load_rss,
+    "step_profile": t_step_profile}
 META = {"command", "module_command", "wall_seconds", "recorded", "quick", "roofline", "benchmark"}
 
 

@@ -87,6 +87,10 @@ BENCHMARKS: dict[str, Bench] = {
                               ("--plot", "benchmarks/context_parallel.png"),
                               ("--preset", "tiny", "--seq-lens", "1024", "--contexts", "1", "2", "--run-up-to", "1024",
                                "--reps", "1", "--kda-seq-lens", "1024", "4096"), isolated=True),
+    "step_profile": Bench("step_profile", "a training step (100m) by component: embedding/head, KDA (kernel, convs, "
+                          "projections), MLA, AttnRes, router + balancing, routed/shared experts, optimizer (NS, "
+                          "AdamW); bar chart", "step_profile", ("--plot", "benchmarks/step_profile.png"),
+                          ("--preset", "tiny", "--reps", "1")),
     "load_rss": Bench("load_rss", "peak host RSS while loading a multi-shard MXFP4 checkpoint", "load_rss",
                       quick=("--hidden", "128", "--experts", "8", "--layers", "4", "--shard-size", "2MB")),
 }

@@ -272,3 +272,37 @@ def test_kda_every_variant_of_the_table_builds():
         fwd, grad = kda.kernels(**kw)
         assert jax.eval_shape(fwd, *x).shape == (1, 64, 2, 8), name
         assert [s.shape for s in jax.eval_shape(grad, *x)] == [a.shape for a in x], name
+
+
+def test_step_profile_counts_the_attnres_reads_and_muon_flops_the_model_runs(monkeypatch):
+    # the profile multiplies each AttnRes read's time by how often the model makes a read over n blocks: count
+    # the reads the model actually makes (abstractly, nothing compiled) and compare
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from benchmarks.step_profile import attnres_reads, ns_flops
+    from k3jax import K3Config, K3ForCausalLM
+    from k3jax.nn import model as model_mod
+
+    seen: dict[int, int] = {}
+    orig = model_mod.AttnResSite.__call__
+
+    def counting(self, blocks, partial):
+        seen[len(blocks)] = seen.get(len(blocks), 0) + 1
+        return orig(self, blocks, partial)
+
+    monkeypatch.setattr(model_mod.AttnResSite, "__call__", counting)
+    for preset in ("tiny", "100m"):
+        cfg = K3Config.from_preset(preset)
+        seen.clear()
+        g, st = nnx.split(nnx.eval_shape(lambda: K3ForCausalLM(cfg, rngs=nnx.Rngs(0))))
+        jax.eval_shape(lambda st, ids: nnx.merge(g, st)(ids).logits, st, jnp.zeros((1, 16), jnp.int32))
+        assert seen == attnres_reads(cfg.num_hidden_layers, cfg.attn_res_block_size), preset
+    # Newton–Schulz FLOPs by its closed form: an [heads=2, 3, 5] per-head matrix is two 3×5 matrices,
+    # 5 iterations of X Xᵀ (2·3·3·5), A² (2·3³) and (bA + cA²) X (2·3·3·5), whichever side is the input
+    from optax.contrib import MuonDimensionNumbers
+
+    per_matrix = 5 * (2 * 45 + 2 * 27 + 2 * 45)
+    assert ns_flops((2, 3, 5), MuonDimensionNumbers(reduction_axis=1, output_axis=2)) == 2 * per_matrix
+    assert ns_flops((2, 5, 3), MuonDimensionNumbers(reduction_axis=1, output_axis=2)) == 2 * per_matrix
