@@ -35,6 +35,26 @@ from k3jax.train.metrics import MetricsLog, plot_run
 from k3jax.train.optim import OptimConfig, make_blockwise_optimizer, make_optimizer, muon_dims_tree, muon_plans
 
 
+PRECISIONS = ("fp32", "bf16")
+
+
+def compute_dtypes(cfg: K3Config, precision: str) -> dict | None:
+    """The dtype each parameter is cast to for the forward and backward under ``precision`` (a pure dict like the
+    parameters), or None for none.
+
+    ``"bf16"``: every parameter the release holds in bf16 is cast to bf16 inside the step — the master weights,
+    their gradients and the optimizer state stay fp32 (the cast's transpose brings the gradient back in fp32) —
+    and the parameters the release keeps in fp32 whatever its dtype (KDA's ``A_log``, ``dt_bias``, short-conv
+    kernels, output-norm gain; the router bias) stay fp32: it is the dtype tree of the same model built with
+    ``dtype="bfloat16"``. Activations then run in bf16 with the fp32 islands the ops keep (KDA gate, cumsum,
+    inverse and state; AttnRes scores; SiTU; softmax and loss accumulation; the router)."""
+    if precision == "fp32":
+        return None
+    bcfg = cfg.replace(dtype="bfloat16")
+    abstract = nnx.eval_shape(lambda: K3ForCausalLM(bcfg, rngs=nnx.Rngs(0)))
+    return jax.tree.map(lambda v: jnp.dtype(v.dtype), nnx.to_pure_dict(nnx.state(abstract, nnx.Param)))
+
+
 class TrainingError(RuntimeError):
     """The run cannot go on (e.g. a non-finite loss); the message says what happened and what was kept."""
 
@@ -66,6 +86,7 @@ class TrainConfig:
     progress: bool | None = None              # None: on a terminal
     mesh: str = ""                            # e.g. "data=2,expert=4" (empty: one device)
     ep_method: str = "moonep"                 # routed experts over the expert axis: moonep | dropless | capacity
+    precision: str = "fp32"                   # "fp32" | "bf16": bf16 compute over fp32 master weights (see compute_dtypes)
 
     @classmethod
     def load(cls, path: str | Path | None = None, overrides: list[str] | None = None) -> "TrainConfig":
@@ -123,6 +144,9 @@ class TrainConfig:
         if self.ep_method not in ("moonep", "dropless", "capacity"):
             raise ConfigError(f"training config: ep_method: expected 'moonep', 'dropless' or 'capacity', got "
                               f"{self.ep_method!r}")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"training config: precision: expected one of {', '.join(PRECISIONS)}, got "
+                              f"{self.precision!r}")
         if self.balance not in BALANCE_METHODS:
             raise ConfigError(f"training config: balance: expected one of {', '.join(BALANCE_METHODS)}, got "
                               f"{self.balance!r}")
@@ -190,6 +214,7 @@ def make_step(graphdef, params_template, rest_template, optimizer, c: TrainConfi
     makes the second step compile the whole step again).
     """
     balance = BalanceConfig(c.balance, c.balance_bins, c.balance_passes, c.sign_gamma)
+    compute = compute_dtypes(cfg, c.precision)
 
     def to_state(template, pure):
         st = jax.tree.map(lambda x: x, template)
@@ -200,6 +225,8 @@ def make_step(graphdef, params_template, rest_template, optimizer, c: TrainConfi
         return nnx.merge(graphdef, to_state(params_template, params), to_state(rest_template, rest))
 
     def loss_fn(params, rest, batch, router_scores: bool):
+        if compute is not None:                   # fp32 master weights → the compute dtype (gradients come back fp32)
+            params = jax.tree.map(lambda p, d: p.astype(d), params, compute)
         out = merged(params, rest)(batch["input_ids"], segment_ids=batch["segment_ids"], ep=ep, cp=cp,
                                    router_scores=router_scores)
         return cross_entropy(out.logits, batch["targets"], batch["loss_mask"]), out
