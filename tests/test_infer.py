@@ -132,6 +132,28 @@ def test_sampling_settings(models):
     out = e.generate(p, 8, stop_tokens=[stop]).tokens[0]
     assert out == greedy[0][: greedy[0].index(stop) + 1]
     assert generate(model, p[0], 8) == greedy[0]
+    # no_repeat_ngram=n: no n-gram twice in prompt + output; until plain greedy first repeats one, the same tokens
+    # (the random test model repeats single tokens within 40, not longer n-grams: n = 1 here, n > 1 in test_cli)
+    plain = e.generate(p, 40).tokens[0]
+    res = e.generate(p, 40, no_repeat_ngram=1)
+    guarded = res.tokens[0]
+
+    def first_repeat(seq, n=1):
+        seen = set()
+        for j in range(len(seq) - n + 1):
+            if tuple(seq[j:j + n]) in seen:
+                return j + n - 1                              # the token that completes the repeated n-gram
+            seen.add(tuple(seq[j:j + n]))
+        return None
+
+    assert first_repeat(p[0] + guarded) is None
+    rep = first_repeat(p[0] + plain)
+    assert rep is not None, "the random test model's greedy output repeats a token within 40 tokens"
+    cut = rep - len(p[0])
+    assert guarded[:cut] == plain[:cut] and guarded[cut] != plain[cut]
+    assert res.stats["no_repeat_ngram_changed"] >= 1
+    with pytest.raises(GenerationError, match="no_repeat_ngram"):
+        e.generate(p, 4, no_repeat_ngram=-1)
     # top-k / top-p restrict the support: 400 draws never leave it
     logits = jnp.asarray(np.linspace(0, 3, 50)[None].repeat(400, 0), jnp.float32)
     draws = np.asarray(sample_next(logits, jax.random.key(0), jnp.float32(1), jnp.int32(3), jnp.float32(1)))

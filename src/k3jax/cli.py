@@ -163,6 +163,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+DEMO_NO_REPEAT_NGRAM = 12   # bytes: longer than Python's usual repeats (indentation, `self.`), shorter than a loop
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     import jax
 
@@ -184,8 +187,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     prompt = "def "
     engine = Engine(r.model, chunk=64)             # one engine: the sampled run reuses the greedy run's compiles
-    text = greedy_sample(r.model, r.dataset.tokenizer, prompt, new_tokens=args.sample_tokens, engine=engine)
-    console.rule("[bold]greedy sample")
+    st: dict = {}
+    n = args.no_repeat_ngram
+    text = greedy_sample(r.model, r.dataset.tokenizer, prompt, new_tokens=args.sample_tokens, engine=engine,
+                         no_repeat_ngram=n, stats=st)
+    if n:
+        console.rule(f"[bold]greedy sample[/bold] (repetition guard: no {n}-byte sequence twice; it changed "
+                     f"{st.get('no_repeat_ngram_changed', 0)} of {st.get('generated_tokens', 0)} tokens; "
+                     f"--no-repeat-ngram 0 shows plain greedy)")
+    else:
+        console.rule("[bold]greedy sample")
     console.print(text, markup=False, highlight=False)
     tok = r.dataset.tokenizer
     res = engine.generate([[tok.bos_id] + tok.encode(prompt)], args.sample_tokens, temperature=0.8, top_p=0.95,
@@ -234,6 +245,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     stops = list(eos) if not args.ignore_eos else []
     stops += [int(s) for s in (args.stop or [])]
     if args.speculative:
+        if args.no_repeat_ngram:
+            console.print("[red]error:[/red] --no-repeat-ngram: not supported with --speculative (the guard would "
+                          "change the target's distribution that verification keeps)")
+            return 2
         return _generate_speculative(args, model, tok, what, prompts, ids, stops)
     engine = Engine(model, chunk=args.chunk, max_len=args.max_len)
     console.print(f"[bold]k3jax generate[/bold] {what}; tokenizer {tok.name}; "
@@ -245,7 +260,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         sys.stdout.write(prompts[0])
         sys.stdout.flush()
     res = engine.generate(ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                          top_p=args.top_p, seed=args.seed, stop_tokens=stops, on_token=stream)
+                          top_p=args.top_p, seed=args.seed, stop_tokens=stops, on_token=stream,
+                          no_repeat_ngram=args.no_repeat_ngram)
     if stream is not None:
         sys.stdout.write("\n")
     else:
@@ -448,6 +464,9 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--steps", type=int, default=180)
     d.add_argument("--out", default="runs/demo")
     d.add_argument("--sample-tokens", type=int, default=240)
+    d.add_argument("--no-repeat-ngram", type=int, default=DEMO_NO_REPEAT_NGRAM, metavar="N",
+                   help="the greedy sample never repeats an N-token sequence (a guard against a small model's "
+                        "loops; 0 = plain greedy)")
     d.set_defaults(fn=cmd_demo)
     t = sub.add_parser("train", help="train a K3 model (config file + --set key=value overrides)")
     t.add_argument("--config", help="JSON or TOML training config (any subset of TrainConfig fields)")
@@ -473,6 +492,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--top-k", type=int, default=None)
     g.add_argument("--top-p", type=float, default=None)
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--no-repeat-ngram", type=int, default=0, metavar="N",
+                   help="never repeat an N-token sequence of the prompt and output (a guard against loops; 0 = off)")
     g.add_argument("--stop", action="append", help="extra stop token id (the config's eos_token_id always stops "
                    "unless --ignore-eos)")
     g.add_argument("--ignore-eos", action="store_true")

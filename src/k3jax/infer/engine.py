@@ -133,10 +133,16 @@ class Engine:
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int = 0,
                  stop_tokens: Sequence[int] = (), on_token: Callable[[int, int], None] | None = None,
-                 progress: Callable[[int, int], None] | None = None) -> GenerateResult:
+                 progress: Callable[[int, int], None] | None = None, no_repeat_ngram: int = 0) -> GenerateResult:
         """Generate up to ``max_new_tokens`` per prompt. ``on_token(row, token)`` streams each new token as it is
-        produced; a row stops after emitting a stop token. The same seed gives the same output."""
+        produced; a row stops after emitting a stop token. The same seed gives the same output.
+
+        ``no_repeat_ngram=n`` (> 0; a guard against the loops of small models, transformers' ``no_repeat_ngram_size``):
+        a token that would complete an n-gram already present in the row (prompt and output) is excluded and the
+        token is drawn again without it; ``stats["no_repeat_ngram_changed"]`` counts the tokens it changed."""
         check_sampling(temperature, top_k, top_p, max_new_tokens)
+        if not isinstance(no_repeat_ngram, int) or no_repeat_ngram < 0:
+            raise GenerationError(f"no_repeat_ngram: expected an integer ≥ 0 (0 = off), got {no_repeat_ngram!r}")
         B = len(prompts)
         t0 = time.perf_counter()
         cache, logits, lengths = self.prefill(prompts, max_new_tokens, progress=progress)
@@ -151,8 +157,12 @@ class Engine:
         t1 = time.perf_counter()
         t_first = None                                        # end of the first decode step (it compiles)
         steps = 0
+        guard = NgramGuard(no_repeat_ngram, [list(map(int, p)) for p in prompts]) if no_repeat_ngram else None
         if max_new_tokens:
-            tok = self._sample(logits, jax.random.fold_in(key, 0), temp, tk, tp)
+            k0 = jax.random.fold_in(key, 0)
+            tok = self._sample(logits, k0, temp, tk, tp)
+            if guard is not None:
+                tok = guard.check(tok, logits, lambda lg: self._sample(lg, k0, temp, tk, tp), done)
             for i in range(max_new_tokens):
                 host = np.asarray(tok)
                 for b in range(B):
@@ -163,7 +173,10 @@ class Engine:
                         done[b] = int(host[b]) in stops
                 if done.all() or i + 1 == max_new_tokens:
                     break
-                tok, _, cache = self._decode(self.state, cache, tok, jax.random.fold_in(key, i + 1), temp, tk, tp)
+                ki = jax.random.fold_in(key, i + 1)
+                tok, lg, cache = self._decode(self.state, cache, tok, ki, temp, tk, tp)
+                if guard is not None:
+                    tok = guard.check(tok, lg, lambda lg_, ki=ki: self._sample(lg_, ki, temp, tk, tp), done)
                 steps += 1
                 if steps == 1:
                     tok.block_until_ready()
@@ -181,7 +194,50 @@ class Engine:
                  "cache_bytes_per_sequence": bytes_now,
                  "cache_bytes_in_use_per_sequence": cache_bytes(cache, int(lengths.max()) + max_new_tokens),
                  "cache_bucket": int(cache.capacity), "compiles": dict(self.traces)}
+        if guard is not None:
+            stats["no_repeat_ngram_changed"] = guard.changed
         return GenerateResult(out, lengths.tolist(), stats)
+
+
+class NgramGuard:
+    """``no_repeat_ngram``: per row, the tokens that would complete an n-gram already in the row are banned.
+
+    Keeps each row's tokens and a map (n−1)-gram → the tokens that followed it; ``check`` bans the current
+    (n−1)-gram's followers in the step's logits and redraws only the rows whose token was banned."""
+
+    def __init__(self, n: int, prompts: list[list[int]]):
+        self.n, self.changed = n, 0
+        self.rows = [list(p) for p in prompts]
+        self.follow: list[dict[tuple, set]] = [{} for _ in prompts]
+        for b, row in enumerate(self.rows):
+            for j in range(len(row) - n + 1):
+                self.follow[b].setdefault(tuple(row[j:j + n - 1]), set()).add(row[j + n - 1])
+
+    def banned(self, b: int) -> set:
+        row = self.rows[b]
+        if self.n == 1:
+            return set(row)
+        return self.follow[b].get(tuple(row[len(row) - self.n + 1:]), set()) if len(row) >= self.n - 1 else set()
+
+    def check(self, tok: jax.Array, logits: jax.Array, redraw, done: np.ndarray) -> jax.Array:
+        host = np.asarray(tok).copy()
+        bans = [self.banned(b) if not done[b] else set() for b in range(len(host))]
+        hit = [b for b in range(len(host)) if int(host[b]) in bans[b]]
+        if hit:
+            lg = np.asarray(logits, np.float32).copy()
+            for b in hit:
+                lg[b, sorted(bans[b])] = -np.inf
+            if np.isfinite(lg[hit]).any(axis=-1).all():       # a row with every token banned keeps its token
+                new = np.asarray(redraw(jnp.asarray(lg)))
+                host[hit] = new[hit]
+                self.changed += len(hit)
+        for b in range(len(host)):
+            if not done[b]:
+                row = self.rows[b]
+                row.append(int(host[b]))
+                if len(row) >= self.n:
+                    self.follow[b].setdefault(tuple(row[len(row) - self.n:-1]), set()).add(row[-1])
+        return jnp.asarray(host)
 
 
 def generate(model: K3ForCausalLM, prompt_ids: Sequence[int] | Sequence[Sequence[int]], max_new_tokens: int,
