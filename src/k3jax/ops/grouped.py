@@ -8,8 +8,9 @@ Two grouped-matmul strategies (:data:`GROUPED_STRATEGIES`), the same arithmetic:
   ``(M + G·(t−1))/M`` of the exact grouped product at worst; :func:`choose_tile` picks ``t`` from ``M``, ``G`` and
   the weight size. Plain autodiff (gathers and a batched ``dot_general``).
 * ``"ragged"``: ``jax.lax.ragged_dot``. XLA:CPU (0.10) lowers it to a dense product of every row with every group's
-  weight under a mask — G× the FLOPs (16× for the 100m preset, 224× for a MoonEP rank of K3) — see
-  ``benchmarks/grouped.py``; kept for accelerators with a native grouped GEMM.
+  weight under a mask (visible in its compiled HLO) — G× the FLOPs (16× for the 100m preset, 224× for a MoonEP
+  rank of K3); ``benchmarks.step_profile --grouped ragged`` times it in the step. Kept for accelerators with a
+  native grouped GEMM.
 """
 
 from __future__ import annotations
@@ -93,6 +94,18 @@ def tile_layout(sizes: jax.Array, M: int, t: int) -> tuple[jax.Array, jax.Array,
     return src, group.astype(jnp.int32), dest
 
 
+def _to_tiles(xs: jax.Array, sizes: jax.Array, t: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``xs [M, D]`` in the tiled layout ``[nt, t, D]`` (padding rows zero), each tile's group and each row's
+    tiled position (see :func:`tile_layout`)."""
+    src, group, dest = tile_layout(sizes, xs.shape[0], t)
+    return jnp.take(xs, src, axis=0, mode="fill", fill_value=0).reshape(-1, t, xs.shape[1]), group, dest
+
+
+def _from_tiles(y: jax.Array, dest: jax.Array) -> jax.Array:
+    """``y [nt, t, ·]`` back to row order ``[M, ·]`` (rows past the groups: 0)."""
+    return jnp.take(y.reshape(-1, y.shape[-1]), dest, axis=0, mode="fill", fill_value=0)
+
+
 def _tiled_dot(xt: jax.Array, w: jax.Array, group: jax.Array, out_dtype) -> jax.Array:
     """``xt [nt, t, D]`` tile by tile through its group's ``w [G, D, I]`` → ``[nt, t, I]``."""
     return jnp.einsum("ntd,ndi->nti", xt, jnp.take(w, group, axis=0).astype(xt.dtype), precision=HIGHEST,
@@ -110,11 +123,8 @@ def grouped_matmul(xs: jax.Array, w: jax.Array, sizes: jax.Array, *, strategy: s
         return jax.lax.ragged_dot(xs, w, sizes, precision=HIGHEST, preferred_element_type=out_dtype)
     M, D = xs.shape
     G, _, I = w.shape
-    t = tile or choose_tile(M, G, D, I)
-    src, group, dest = tile_layout(sizes, M, t)
-    xt = jnp.take(xs, src, axis=0, mode="fill", fill_value=0).reshape(-1, t, D)
-    y = _tiled_dot(xt, w, group, out_dtype).reshape(-1, I)
-    return jnp.take(y, dest, axis=0, mode="fill", fill_value=0)
+    xt, group, dest = _to_tiles(xs, sizes, tile or choose_tile(M, G, D, I))
+    return _from_tiles(_tiled_dot(xt, w, group, out_dtype), dest)
 
 
 def _check_strategy(strategy: str | None) -> str:
@@ -139,13 +149,10 @@ def grouped_ffn(xs: jax.Array, sizes: jax.Array, w_gate: jax.Array, w_up: jax.Ar
         return jax.lax.ragged_dot(h, w_down, sizes, precision=HIGHEST, preferred_element_type=f)
     M, D = xs.shape
     G, _, I = w_gate.shape
-    t = tile or choose_tile(M, G, D, 3 * I)
-    src, group, dest = tile_layout(sizes, M, t)
-    xt = jnp.take(xs, src, axis=0, mode="fill", fill_value=0).reshape(-1, t, D)
+    xt, group, dest = _to_tiles(xs, sizes, tile or choose_tile(M, G, D, 3 * I))
     dt = jnp.result_type(xs.dtype, w_gate.dtype)
     h = act(_tiled_dot(xt, w_gate, group, dt), _tiled_dot(xt, w_up, group, dt))
-    y = _tiled_dot(h, w_down, group, f).reshape(-1, D)
-    return jnp.take(y, dest, axis=0, mode="fill", fill_value=0)
+    return _from_tiles(_tiled_dot(h, w_down, group, f), dest)
 
 
 def moe_per_token(x: jax.Array, idx: jax.Array, weights: jax.Array, w_gate: jax.Array, w_up: jax.Array,
