@@ -34,30 +34,42 @@ def test_expert_parallel_moe_equals_single_device(ep_results):
                 assert max(c["fetched"]) == 0 and max(c["fills"]) == 0        # nothing to move, nothing fetched
 
 
-def test_dense_ragged_all_to_all_has_ragged_semantics():
-    """The CPU exchange reproduces ``ragged_all_to_all``'s contract on a hand-checked 2-rank case."""
+def test_cpu_ragged_all_to_alls_have_ragged_semantics():
+    """Both CPU exchanges reproduce ``ragged_all_to_all``'s contract on a hand-checked 2-rank case, and the
+    gather exchange's hand-written backward is the transposed exchange (each row's cotangent goes home)."""
     code = r"""
 import os
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+import json
 import jax, jax.numpy as jnp
 from jax.sharding import PartitionSpec as P, AxisType
-from k3jax.parallel.ep import ragged_all_to_all_dense
+from k3jax.parallel.ep import ragged_all_to_all_dense, ragged_all_to_all_gather
 mesh = jax.make_mesh((2,), ("x",), axis_types=(AxisType.Auto,))
 # rank 0 sends rows [0:1] to itself and [1:3] to rank 1; rank 1 sends [0:2] to rank 0 and [2:3] to itself
 send = jnp.asarray([[1, 2], [2, 1]]); in_off = jnp.asarray([[0, 1], [0, 2]])
 out_off = jnp.asarray([[0, 1], [1, 0]])    # rank 0's rows land at 0 (on 0) and 1 (on 1); rank 1's at 1 and 0
 recv = jnp.asarray([[1, 2], [2, 1]])
 x = jnp.asarray([[10.], [11.], [12.], [20.], [21.], [22.]])
-def f(x, send, in_off, out_off, recv):
-    return ragged_all_to_all_dense(x, jnp.zeros_like(x), in_off[0], send[0], out_off[0], recv[0], axis_name="x")
-g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("x"),) * 5, out_specs=P("x")))
-print(g(x, send, in_off, out_off, recv).ravel().tolist())
+out = []
+for a2a in (ragged_all_to_all_dense, ragged_all_to_all_gather):
+    def f(x, send, in_off, out_off, recv):
+        return a2a(x, jnp.zeros_like(x), in_off[0], send[0], out_off[0], recv[0], axis_name="x")
+    g = jax.shard_map(f, mesh=mesh, in_specs=(P("x"),) * 5, out_specs=P("x"))
+    # d/dx of Σ c ⊙ exchange(x): each sent row gets the weight of the position it landed on
+    c = jnp.arange(6.0)[:, None] + 1
+    dx = jax.jit(jax.grad(lambda x: jnp.sum(c * g(x, send, in_off, out_off, recv))))(x)
+    out.append([jax.jit(g)(x, send, in_off, out_off, recv).ravel().tolist(), dx.ravel().tolist()])
+print(json.dumps(out))
 """
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert res.returncode == 0, res.stderr[-2000:]
     # rank 0 receives its own row 10 at 0, rank 1's rows 20, 21 at 1, 2; rank 1 receives 22 at 0, 11, 12 at 1, 2
-    assert json.loads(res.stdout.strip().splitlines()[-1]) == [10.0, 20.0, 21.0, 22.0, 11.0, 12.0]
+    # rows land (flat over the two ranks' outputs) at positions 0, 4, 5 (rank 0's) and 1, 2, 3 (rank 1's): row i's
+    # gradient is c = position + 1 of where it landed
+    for y, dx in json.loads(res.stdout.strip().splitlines()[-1]):
+        assert y == [10.0, 20.0, 21.0, 22.0, 11.0, 12.0]
+        assert dx == [1.0, 5.0, 6.0, 2.0, 3.0, 4.0]
 
 
 @pytest.fixture(scope="module")

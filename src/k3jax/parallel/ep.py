@@ -12,10 +12,13 @@ Every device holds S tokens (``z [S, D]``, top-K ``idx``/``w [S, K]``) and its E
 * ``"capacity"`` — GShard-style: at most C = ⌈cf·S·K/E⌉ pairs per (source, expert); the rest are dropped
   (contribute 0). Static buffer cf·S·K per rank.
 
-The pair exchange has two implementations with the same semantics: ``"ragged"`` (``jax.lax.ragged_all_to_all``:
-send and receive buffers of exactly S·K rows — GPU/TPU) and ``"dense"`` (``jax.lax.all_to_all`` of an [R, S·K]
-box per rank — the only one XLA:CPU runs; it transiently holds the worst-case R·S·K rows, the plan and the
-grouped matmul still see exactly S·K). ``"auto"`` picks ragged off CPU.
+The pair exchange has three implementations with the same semantics (:data:`EXCHANGES`): ``"ragged"``
+(``jax.lax.ragged_all_to_all``: send and receive buffers of exactly S·K rows — GPU/TPU), and two that XLA:CPU
+runs, which transiently receive the worst-case R·S·K rows (the plan and the grouped matmul still see exactly
+S·K): ``"gather"`` (one ``all_gather`` of the S·K send rows, then each rank gathers the rows the all-gathered
+offsets say are its own; backward the same the other way — the CPU default) and ``"dense"`` (``all_to_all`` of
+an [R, S·K] box built by a gather and unpacked by a scatter, each transposed again in the backward).
+``"auto"`` picks ragged off CPU, gather on it.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from k3jax.ops.grouped import grouped_ffn
-from k3jax.parallel.moonep import destinations, plan, slots_from_alloc
+from k3jax.parallel.moonep import destinations, plan, rank_in_group, slots_from_alloc
 
 Act = Callable[[jax.Array, jax.Array], jax.Array]
 METHODS = ("moonep", "dropless", "capacity")
@@ -58,9 +61,67 @@ def ragged_all_to_all_dense(operand: jax.Array, output: jax.Array, input_offsets
     return output.at[rdst.reshape(-1)].set(rbox.reshape(-1, *operand.shape[1:]), mode="drop")
 
 
+def _read_index(lo: jax.Array, n: jax.Array, base: jax.Array, rows: int, src_rows: int) -> jax.Array:
+    """For each of ``rows`` positions p: the flat row ``s·src_rows + base_s + (p − lo_s)`` of the all-gathered
+    source that lands at p, where source s fills ``[lo_s, lo_s + n_s)`` (``lo, n, base [R]``, ranges disjoint);
+    ``−1`` where no source writes."""
+    p = jnp.arange(rows, dtype=jnp.int32)[:, None]
+    covered = (p >= lo[None, :]) & (p < (lo + n)[None, :])                # [rows, R]
+    s = jnp.argmax(covered, axis=1).astype(jnp.int32)
+    flat = s * src_rows + base[s] + (p[:, 0] - lo[s])
+    return jnp.where(jnp.any(covered, axis=1), flat, -1).astype(jnp.int32)
+
+
+def _take_rows(full: jax.Array, read: jax.Array) -> jax.Array:
+    return jnp.take(full, read, axis=0, mode="fill", fill_value=0)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _gather_exchange(x: jax.Array, read: jax.Array, back: jax.Array, axis_name: str) -> jax.Array:
+    """Rows of the all-gathered ``x`` at ``read`` (a partial permutation across ranks); its transpose is the same
+    exchange of the cotangents the other way, at ``back`` (no scatter, no reduce over ranks)."""
+    return _take_rows(jax.lax.all_gather(x, axis_name, tiled=True), read)
+
+
+def _gather_exchange_fwd(x, read, back, axis_name):
+    return _gather_exchange(x, read, back, axis_name), (read, back)
+
+
+def _gather_exchange_bwd(axis_name, res, ct):
+    read, back = res
+    return _take_rows(jax.lax.all_gather(ct, axis_name, tiled=True), back), None, None
+
+
+_gather_exchange.defvjp(_gather_exchange_fwd, _gather_exchange_bwd)
+
+
+def ragged_all_to_all_gather(operand: jax.Array, output: jax.Array, input_offsets: jax.Array,
+                             send_sizes: jax.Array, output_offsets: jax.Array, recv_sizes: jax.Array, *,
+                             axis_name: str) -> jax.Array:
+    """``jax.lax.ragged_all_to_all``'s semantics from one ``all_gather`` of the operand and one row gather (runs on
+    CPU). Every rank's offsets are all-gathered (``[R, R]`` ints), so each rank computes which source row lands
+    at each of its output rows; no ``[R, M]`` box is built or scattered. The backward is the reverse exchange of
+    the cotangent rows (each operand row is read at most once), again a gather. Receives R×operand rows
+    transiently, like the dense emulation; moves them once."""
+    del recv_sizes
+    r = jax.lax.axis_index(axis_name)
+    in_off, send, out_off = (jax.lax.all_gather(a.astype(jnp.int32), axis_name)
+                             for a in (input_offsets, send_sizes, output_offsets))   # [R(src), R(dst)]
+    M_in, M_out = operand.shape[0], output.shape[0]
+    read = _read_index(out_off[:, r], send[:, r], in_off[:, r], M_out, M_in)       # my output rows ← (s, row)
+    back = _read_index(in_off[r], send[r], out_off[r], M_in, M_out)               # my operand rows → (d, row)
+    got = _gather_exchange(operand, read, back, axis_name)
+    return jnp.where((read >= 0).reshape(-1, *([1] * (operand.ndim - 1))), got, output)
+
+
+EXCHANGES = ("ragged", "gather", "dense")
+
+
 def _ragged(kind: str):
     if kind == "ragged":
         return lambda *a, axis_name: jax.lax.ragged_all_to_all(*a, axis_name=axis_name)
+    if kind == "gather":
+        return ragged_all_to_all_gather
     return ragged_all_to_all_dense
 
 
@@ -75,23 +136,62 @@ def _exchange_plan(send_dest: jax.Array, R: int, axis: str):
     recv = T[:, r]
     recv_in_off = jnp.cumsum(recv) - recv
     back_out = (jnp.cumsum(T, 1) - T)[:, r]                               # where my rows sit in s's send order
-    return in_off, send, out_off, recv, recv_in_off, back_out
+    return in_off, send, out_off, recv, recv_in_off, back_out, T
+
+
+def _gather_indices(T: jax.Array, r: jax.Array, rows: int) -> tuple[jax.Array, jax.Array]:
+    """For the exchange of rows sorted by destination with ``T [R, R]`` rows from s to d (each rank sends and
+    receives ``rows``): ``read [rows]`` the flat row of the all-gathered send buffers at each of rank r's receive
+    positions, ``back [rows]`` the flat row of the all-gathered receive buffers where each of r's sent rows
+    landed (see :func:`_read_index`)."""
+    in_off = jnp.cumsum(T, 1) - T                                         # [s, d]: start in s's send buffer
+    out_off = jnp.cumsum(T, 0) - T                                        # [s, d]: start in d's receive buffer
+    read = _read_index(out_off[:, r], T[:, r], in_off[:, r], rows, rows)
+    back = _read_index(in_off[r], T[r], out_off[r], rows, rows)
+    return read, back
 
 
 # --------------------------------------------------------------------------------------------------- MoonEP
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _fetch_one(w: jax.Array, fetch: jax.Array, axis: str) -> jax.Array:
+    """This rank's redundant slots ``[m, ...]`` of the expert weights ``w [m, ...]`` (its home experts):
+    ``fetch [R, m]`` global expert ids (−1 = empty slot, zero weights), read from one ``all_gather`` of every
+    rank's home weights. Backward: the slots' cotangents are all-gathered and each home rank adds those of its
+    own experts (an expert may be fetched by several ranks) — no reduce-scatter of a mostly-zero [E, ...]."""
+    mine = fetch[jax.lax.axis_index(axis)]
+    full = jax.lax.all_gather(w, axis, tiled=True)                        # [E, ...]
+    return jnp.take(full, jnp.where(mine >= 0, mine, full.shape[0]), axis=0, mode="fill", fill_value=0)
+
+
+def _fetch_one_fwd(w, fetch, axis):
+    return _fetch_one(w, fetch, axis), fetch
+
+
+def _fetch_one_bwd(axis, fetch, ct):
+    m = ct.shape[0]
+    flat = fetch.reshape(-1)
+    home = (flat >= 0) & (flat // m == jax.lax.axis_index(axis))
+    ct_all = jax.lax.all_gather(ct, axis, tiled=True)                     # [R·m, ...] every rank's slots
+    dw = jnp.zeros((m + 1, *ct.shape[1:]), ct.dtype).at[jnp.where(home, flat % m, m)].add(ct_all)
+    return dw[:m], None
+
+
+_fetch_one.defvjp(_fetch_one_fwd, _fetch_one_bwd)
+
+
 def _fetch_weights(ws: tuple[jax.Array, ...], fetch: jax.Array, axis: str, R: int) -> tuple[jax.Array, ...]:
-    """Bring each rank's redundant experts (``fetch [R, m]``, −1 = none) from their home ranks."""
-    r = jax.lax.axis_index(axis)
-    m = fetch.shape[1]
-    mine = (fetch >= 0) & (fetch // m == r)                               # [R(dest), m] slots I serve
-    local = jnp.where(mine, fetch % m, 0)
-    out = []
+    """Bring each rank's redundant experts (``fetch [R, m]``, −1 = none) from their home ranks (see
+    :func:`_fetch_one`; on CPU an ``all_gather`` is cheaper than an ``all_to_all`` of an [R, m] box that is
+    mostly zeros, and its transpose needs no reduction over ranks)."""
+    del R
+    if len({w.dtype for w in ws}) > 1:
+        return tuple(_fetch_one(w, fetch, axis) for w in ws)
+    m = ws[0].shape[0]
+    flat = _fetch_one(jnp.concatenate([w.reshape(m, -1) for w in ws], axis=1), fetch, axis)   # one collective
+    cuts = [0]
     for w in ws:
-        box = jnp.take(w, local.reshape(-1), axis=0).reshape(R, m, *w.shape[1:])
-        box = box * mine.reshape(R, m, *([1] * (w.ndim - 1))).astype(w.dtype)
-        got = jax.lax.all_to_all(box, axis, 0, 0)                          # [R(source), m, ...]
-        out.append(jnp.sum(got, axis=0))                                  # one source per slot at most
-    return tuple(out)
+        cuts.append(cuts[-1] + math.prod(w.shape[1:]))
+    return tuple(flat[:, a:b].reshape(w.shape) for w, a, b in zip(ws, cuts[:-1], cuts[1:]))
 
 
 def moonep_local(z, idx, w, w1, w3, w2, *, act: Act, axis: str, exchange: str = "dense"):
@@ -109,17 +209,26 @@ def moonep_local(z, idx, w, w1, w3, w2, *, act: Act, axis: str, exchange: str = 
     order = jnp.argsort(dest, stable=True)
     send_dest = dest[order]
     send_x = jnp.take(z, order // K, axis=0)
-    in_off, send, out_off, recv, recv_in_off, back_out = _exchange_plan(send_dest, R, axis)
-    a2a = _ragged(exchange)
-    rx = a2a(send_x, jnp.zeros_like(send_x), in_off, send, out_off, recv, axis_name=axis)
-    rslot = a2a(slot[order], jnp.zeros_like(slot), in_off, send, out_off, recv, axis_name=axis)
+    in_off, send, out_off, recv, recv_in_off, back_out, T = _exchange_plan(send_dest, R, axis)
+    if exchange == "gather":   # the forward's and the return's row maps, both from the all-gathered T
+        read, back = _gather_indices(T, r, Pn)
+        a2a = None
+        rx = _gather_exchange(send_x, read, back, axis)
+        rslot = _take_rows(jax.lax.all_gather(slot[order], axis, tiled=True), read)
+    else:
+        a2a = _ragged(exchange)
+        rx = a2a(send_x, jnp.zeros_like(send_x), in_off, send, out_off, recv, axis_name=axis)
+        rslot = a2a(slot[order], jnp.zeros_like(slot), in_off, send, out_off, recv, axis_name=axis)
     buf = jnp.zeros_like(rx).at[rslot].set(rx)                            # expert-segment order
     experts, sizes, fetch = slots_from_alloc(pl.alloc)
     fw = _fetch_weights((w1, w3, w2), fetch, axis, R)
     W1, W3, W2 = (jnp.concatenate([a, b.astype(a.dtype)], 0) for a, b in zip((w1, w3, w2), fw))
     y_buf = grouped_ffn(buf, sizes[r], W1, W3, W2, act)                   # [S·K, D]: exactly S·K rows
     y_rows = jnp.take(y_buf, rslot, axis=0)                               # back in receive order
-    y_send = a2a(y_rows, jnp.zeros_like(y_rows), recv_in_off, recv, back_out, send, axis_name=axis)
+    if a2a is None:            # the return trip is the forward exchange transposed
+        y_send = _gather_exchange(y_rows, back, read, axis)
+    else:
+        y_send = a2a(y_rows, jnp.zeros_like(y_rows), recv_in_off, recv, back_out, send, axis_name=axis)
     y_pairs = jnp.zeros_like(y_send).at[order].set(y_send)
     y = jnp.sum(y_pairs.reshape(S, K, -1) * w.astype(y_pairs.dtype)[..., None], axis=1)
     stats = {"fills": pl.n_fills, "fetched_experts": jnp.sum(fetch >= 0), "recv_rows": jnp.int32(Pn),
@@ -167,8 +276,7 @@ def capacity_local(z, idx, w, w1, w3, w2, *, act: Act, axis: str, capacity_facto
     Pn = S * K
     C = max(1, math.ceil(capacity_factor * Pn / E))
     e_flat = idx.reshape(Pn).astype(jnp.int32)
-    onehot = jax.nn.one_hot(e_flat, E, dtype=jnp.int32)
-    pos = jnp.take_along_axis(jnp.cumsum(onehot, 0) - onehot, e_flat[:, None], 1)[:, 0]
+    pos = rank_in_group(e_flat, E)
     keep = pos < C
     tok = jnp.arange(Pn) // K
     box = jnp.zeros((E, C, z.shape[-1]), z.dtype).at[jnp.where(keep, e_flat, E), pos].set(
@@ -197,7 +305,7 @@ class ExpertParallel:
     mesh: jax.sharding.Mesh
     method: str = "moonep"              # "moonep" | "dropless" | "capacity"
     capacity_factor: float = 1.25
-    exchange: str = "auto"              # "dense" (CPU) | "ragged" | "auto"
+    exchange: str = "auto"              # "gather" | "dense" (CPU) | "ragged" | "auto"
 
     @property
     def active(self) -> bool:
@@ -252,7 +360,9 @@ def moe_expert_parallel(z: jax.Array, idx: jax.Array, w: jax.Array, w1: jax.Arra
     if z.shape[0] % ntok:
         raise ValueError(f"{z.shape[0]} tokens do not split over mesh axes {tax} ({ntok} shards)")
     if exchange == "auto":
-        exchange = "dense" if jax.default_backend() == "cpu" else "ragged"
+        exchange = "gather" if jax.default_backend() == "cpu" else "ragged"
+    if exchange not in EXCHANGES:
+        raise ValueError(f"exchange: expected one of {EXCHANGES} or 'auto', got {exchange!r}")
     kw = {"act": act, "axis": axis, "exchange": exchange}
     if method == "capacity":
         kw["capacity_factor"] = capacity_factor

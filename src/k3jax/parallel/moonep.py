@@ -152,6 +152,17 @@ def slots_from_alloc(alloc: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]
     return experts, sizes.astype(jnp.int32), fetch
 
 
+def rank_in_group(idx: jax.Array, n_groups: int) -> jax.Array:
+    """For ``idx [P]`` ints in ``[0, n_groups)``: how many earlier entries carry the same value (a stable sort and
+    each entry's distance from its run's start — O(P log P), no ``[P, n_groups]`` one-hot cumsum)."""
+    P_ = idx.shape[0]
+    order = jnp.argsort(idx, stable=True)
+    srt = idx[order]
+    counts = jnp.zeros((n_groups,), jnp.int32).at[idx].add(1)
+    start = jnp.cumsum(counts) - counts
+    return jnp.zeros((P_,), jnp.int32).at[order].set(jnp.arange(P_, dtype=jnp.int32) - start[srt])
+
+
 def destinations(alloc: jax.Array, counts: jax.Array, rank: jax.Array, idx: jax.Array
                  ) -> tuple[jax.Array, jax.Array]:
     """For the pairs of source ``rank`` — expert ids ``idx [P]`` in their local order — the destination rank and the
@@ -162,8 +173,7 @@ def destinations(alloc: jax.Array, counts: jax.Array, rank: jax.Array, idx: jax.
     alloc = jnp.asarray(alloc)
     R, E = alloc.shape
     P_ = idx.shape[0]
-    onehot = jax.nn.one_hot(idx, E, dtype=jnp.int32)                                 # [P, E]
-    local_rank = jnp.take_along_axis(jnp.cumsum(onehot, 0) - onehot, idx[:, None], 1)[:, 0]
+    local_rank = rank_in_group(idx, E)
     before_src = jnp.cumsum(counts, 0) - counts                                       # [R, E] exclusive over r
     pos = before_src[rank, idx] + local_rank                                          # [P]
     cum = jnp.cumsum(alloc, 0)                                                        # inclusive over d
