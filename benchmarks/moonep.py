@@ -8,9 +8,10 @@ Zipf 1.0 / 1.5 over experts, hot rank — a third of the mass on rank 0's expert
 per rank, MoE forward+backward step time (median of ``--reps`` after warm-up), drop rate, planner fills and
 fetched redundant experts. Planner-only at R=64: jitted time per plan and the largest number of redundant experts
 on one rank; fetches compared with a chain that always takes from the most overloaded donor (the reference's rule).
-The exchange on CPU is the dense emulation (see ``k3jax.parallel.ep``): its transient receive box is R·S·K rows
-for every method; the MoonEP figure reported is what the plan and the grouped matmul use (= a ragged exchange's
-buffer on GPU/TPU).
+The exchange on CPU is an emulation (see ``k3jax.parallel.ep``): the default ``gather`` exchange (one all_gather of
+the send rows; row ``moonep``) and the older ``dense`` box all_to_all (row ``moonep_dense_exchange``) both receive
+R·S·K rows transiently; the MoonEP buffer reported is what the plan and the grouped matmul use (= a ragged
+exchange's buffer on GPU/TPU). ``moonep_over_capacity``: MoonEP's step over the capacity-1.25 step.
 """
 
 from __future__ import annotations
@@ -77,14 +78,16 @@ def main(argv: list[str] | None = None) -> dict:
     ws = [jnp.asarray(rng.normal(size=s) / 8, jnp.float32) for s in [(E, D, I), (E, D, I), (E, I, D)]]
     res = {"benchmark": "moonep", "machine": platform.machine(), "jax": jax.__version__,
            "backend": jax.default_backend(), "devices": R, "setup": {"S": a.S, "E": E, "K": K, "D": D, "I": I,
-                                                                    "dtype": "float32", "exchange": "dense (CPU)"},
+                                                                    "dtype": "float32", "exchange": "gather (CPU default) and dense"},
            "routings": []}
     for kind in a.routings:
         idx = jnp.asarray(routing(kind, N, E, K, R, rng))
         row = {"routing": kind, "methods": {}}
-        for method in ["moonep", "dropless", "capacity"]:
+        for label, method, exchange in [("moonep", "moonep", "auto"), ("moonep_dense_exchange", "moonep", "dense"),
+                                        ("dropless", "dropless", "auto"), ("capacity", "capacity", "auto")]:
             def loss(z, w, w1, w3, w2):
-                y, st = moe_expert_parallel(z, idx, w, w1, w3, w2, act, mesh=mesh, method=method, with_stats=True)
+                y, st = moe_expert_parallel(z, idx, w, w1, w3, w2, act, mesh=mesh, method=method, with_stats=True,
+                                            exchange=exchange)
                 return jnp.sum(y * y), st
 
             step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))
@@ -96,7 +99,7 @@ def main(argv: list[str] | None = None) -> dict:
                 jax.block_until_ready(step(z, w, *ws))
                 times.append(time.perf_counter() - t)
             rows = int(np.asarray(st["recv_rows"])[0])
-            row["methods"][method] = {"recv_rows_per_rank": rows, "recv_bytes_per_rank": rows * D * 4,
+            row["methods"][label] = {"recv_rows_per_rank": rows, "recv_bytes_per_rank": rows * D * 4,
                                       "step_ms": 1e3 * statistics.median(times),
                                       "drop_rate": float(np.asarray(st["dropped"]).sum()) / (N * K),
                                       "fills": int(np.asarray(st["fills"])[0]),
@@ -104,11 +107,14 @@ def main(argv: list[str] | None = None) -> dict:
         mo, dl = row["methods"]["moonep"], row["methods"]["dropless"]
         row["buffer_ratio_dropless_over_moonep"] = dl["recv_rows_per_rank"] / mo["recv_rows_per_rank"]
         row["speedup_vs_dropless"] = dl["step_ms"] / mo["step_ms"]
+        row["moonep_over_capacity"] = mo["step_ms"] / row["methods"]["capacity"]["step_ms"]
+        row["dense_over_gather_exchange"] = row["methods"]["moonep_dense_exchange"]["step_ms"] / mo["step_ms"]
         res["routings"].append(row)
         print(f"{kind:>9}: MoonEP {mo['step_ms']:.1f} ms ({mo['recv_rows_per_rank']} rows, {mo['fetched_experts']} "
               f"fetched), dropless {dl['step_ms']:.1f} ms ({dl['recv_rows_per_rank']} rows) → "
               f"{row['speedup_vs_dropless']:.2f}×; capacity 1.25 {row['methods']['capacity']['step_ms']:.1f} ms, "
-              f"drops {row['methods']['capacity']['drop_rate']:.1%}", flush=True)
+              f"drops {row['methods']['capacity']['drop_rate']:.1%} (MoonEP/capacity {row['moonep_over_capacity']:.2f}×; "
+              f"dense exchange {row['methods']['moonep_dense_exchange']['step_ms']:.1f} ms)", flush=True)
     # planner only, R = 64
     plans = []
     f = jax.jit(plan)
