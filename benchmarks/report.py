@@ -171,12 +171,12 @@ def t_model(r: dict) -> str:
 
 def t_train(r: dict) -> str:
     peak = r.get("gemm_peak_flops")
-    rows = [[x.get("preset"), num(x.get("params")), f"{x.get('batch')}×{x.get('seq_len')}",
+    rows = [[x.get("preset"), x.get("mode", "fp32"), num(x.get("params")), f"{x.get('batch')}×{x.get('seq_len')}",
              num(x.get("step_seconds_median"), ",.2f"), num(x.get("first_step_seconds"), ",.1f"),
              num(x.get("tokens_per_s")), num(x.get("train_flops_per_token"), ",.3g"), pct(x.get("mfu"))]
             for x in r.get("runs", [])]
     return (f"MFU against this module's own 1024² fp32 GEMM: {num(peak, ',.1f', 1e-9)} GFLOP/s.\n\n"
-            + table(["preset", "params", "B×T", "step s (median)", "first step s", "tokens/s",
+            + table(["preset", "mode", "params", "B×T", "step s (median)", "first step s", "tokens/s",
                      "train FLOPs/token", "MFU"], rows))
 
 

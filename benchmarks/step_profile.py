@@ -1,7 +1,8 @@
 """Where a training step's time goes: the step of a preset timed whole and by component, from jitted sub-steps.
 
     .venv/bin/python -m benchmarks.step_profile [--preset 100m] [--batch 4 --seq 256] [--reps 5]
-                                                [--grouped tiles|ragged] [--json out.json] [--plot PNG]
+                                                [--grouped tiles|ragged] [--ns-dtype fp32|bf16]
+                                                [--before JSON] [--json out.json] [--plot PNG]
 
 The whole step is ``k3jax.train.loop.make_step`` (forward, backward, clip + Per-Head Muon / AdamW, Quantile
 Balancing), median of ``--reps`` after a compile. Each component is then jitted on its own, on the step's shapes
@@ -50,7 +51,7 @@ from k3jax.ops.routing import expert_counts, router_topk
 from k3jax.text.tokenizer import ByteTokenizer
 from k3jax.train.data import Dataset, stdlib_corpus
 from k3jax.train.loop import TrainConfig, cross_entropy, gemm_peak_flops, make_step, model_config
-from k3jax.train.optim import make_optimizer, matrix_axes, muon_dims_tree, newton_schulz
+from k3jax.train.optim import NS_DTYPES, OptimConfig, make_optimizer, matrix_axes, muon_dims_tree, newton_schulz
 
 SHAPES = {"tiny": (8, 128), "100m": (4, 256)}
 
@@ -138,8 +139,8 @@ def ns_flops(shape: tuple[int, ...], dims, steps: int = 5) -> int:
     return batch * steps * (4 * m * m * n + 2 * m ** 3)
 
 
-def profile(preset: str, B: int, T: int, reps: int, grouped: str | None = None) -> dict:
-    c = TrainConfig(model=preset, batch_size=B, seq_len=T, steps=100)
+def profile(preset: str, B: int, T: int, reps: int, grouped: str | None = None, ns_dtype: str = "fp32") -> dict:
+    c = TrainConfig(model=preset, batch_size=B, seq_len=T, steps=100, optim=OptimConfig(ns_dtype=ns_dtype))
     cfg = model_config(c)
     docs, info = stdlib_corpus(400_000)
     data = Dataset(docs, info, ByteTokenizer(), T)
@@ -285,7 +286,7 @@ def profile(preset: str, B: int, T: int, reps: int, grouped: str | None = None) 
         _, t_upd = _median_time(upd, (grads, ost, params), reps)
         ml = muon_leaves(params, dims)
         mats = [p for p, _ in ml]
-        ns_fn = jax.jit(lambda ms: [newton_schulz(m, d) for m, (_, d) in zip(ms, ml)])
+        ns_fn = jax.jit(lambda ms: [newton_schulz(m, d, dtype=NS_DTYPES[ns_dtype]) for m, (_, d) in zip(ms, ml)])
         _, t_ns = _median_time(ns_fn, (mats,), reps)
         nsf = sum(ns_flops(p.shape, d) for p, d in ml)
         comps.append({"name": "optimizer: Newton–Schulz (Muon)", "group": "optimizer", "count": 1, "forward_s": t_ns,
@@ -341,6 +342,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seq", type=int, default=None)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--grouped", default=None, help="grouped-matmul strategy of the routed experts (tiles | ragged)")
+    ap.add_argument("--ns-dtype", default="fp32", choices=sorted(NS_DTYPES),
+                    help="Muon's Newton–Schulz operands (optim.ns_dtype)")
     ap.add_argument("--before", default=None, help="a step_profile JSON to chart beside this run (before/after)")
     ap.add_argument("--plot", default=None)
     ap.add_argument("--json", default=None)
@@ -349,7 +352,8 @@ def main(argv: list[str] | None = None) -> dict:
     B, T = a.batch or B, a.seq or T
     peak = gemm_peak_flops(2048)
     res = {"benchmark": "step_profile", "backend": jax.default_backend(), "jax": jax.__version__,
-           "gemm_peak_flops": peak, **profile(a.preset, B, T, a.reps, a.grouped)}
+           "gemm_peak_flops": peak, "ns_dtype": a.ns_dtype,
+           **profile(a.preset, B, T, a.reps, a.grouped, a.ns_dtype)}
     res["mfu"] = res["tokens_per_s"] * res["train_flops_per_token"] / peak
     print(f"step {res['step_seconds']:.3f} s, {res['tokens_per_s']:,.0f} tokens/s, MFU {res['mfu']:.1%} "
           f"(GEMM peak {peak / 1e9:.0f} GFLOP/s); attributed {res['attributed_seconds']:.3f} s, unattributed "

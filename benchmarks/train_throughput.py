@@ -4,8 +4,9 @@
 
 One jitted step = forward + backward + Per-Head Muon/AdamW update + Quantile Balancing, on packed byte-level
 batches of the embedded corpus. MFU = model FLOPs per token (``k3jax.costs.flops_per_token``, training) × tokens/s
-/ the fp32 GEMM FLOP/s measured in the same run (``gemm_peak_flops``). Median over ``--steps`` timed steps after
-one warm-up (compile) step.
+/ the fp32 GEMM FLOP/s measured in the same run (``gemm_peak_flops``), for the bf16 mode too (``--modes``: fp32, and
+bf16 = ``precision=bf16`` + ``optim.ns_dtype=bf16``). Median over ``--steps`` timed steps after one warm-up
+(compile) step.
 """
 
 from __future__ import annotations
@@ -25,15 +26,21 @@ from k3jax.costs import flops_per_token
 from k3jax.text.tokenizer import ByteTokenizer
 from k3jax.train.data import Dataset, stdlib_corpus
 from k3jax.train.loop import TrainConfig, gemm_peak_flops, make_step, model_config
-from k3jax.train.optim import make_optimizer, muon_dims_tree
+from k3jax.train.optim import OptimConfig, make_optimizer, muon_dims_tree
 
 SHAPES = {"tiny": (8, 128), "100m": (4, 256)}
 
 
-def bench(preset: str, steps: int, peak: float, shape: tuple[int, int] | None = None) -> dict:
-    """One preset's training-step figures; ``shape`` = (batch, seq_len), default ``SHAPES[preset]``."""
+MODES = {"fp32": ("fp32", "fp32"), "bf16": ("bf16", "bf16")}   # mode: (precision, optim.ns_dtype)
+
+
+def bench(preset: str, steps: int, peak: float, shape: tuple[int, int] | None = None, mode: str = "fp32") -> dict:
+    """One preset's training-step figures; ``shape`` = (batch, seq_len), default ``SHAPES[preset]``; ``mode``:
+    ``fp32``, or ``bf16`` (``precision=bf16`` compute over fp32 master weights, Newton–Schulz in bf16)."""
     B, T = shape or SHAPES.get(preset, (4, 256))
-    c = TrainConfig(model=preset, batch_size=B, seq_len=T, steps=100)
+    precision, ns_dtype = MODES[mode]
+    c = TrainConfig(model=preset, batch_size=B, seq_len=T, steps=100, precision=precision,
+                    optim=OptimConfig(ns_dtype=ns_dtype))
     cfg = model_config(c)
     docs, info = stdlib_corpus(400_000)
     data = Dataset(docs, info, ByteTokenizer(), T)
@@ -58,7 +65,7 @@ def bench(preset: str, steps: int, peak: float, shape: tuple[int, int] | None = 
     tps = B * T / med
     fpt = flops_per_token(cfg, train_seq=T)["training"]
     n_params = sum(x.size for x in jax.tree.leaves(params))
-    return {"preset": preset, "params": n_params, "batch": B, "seq_len": T, "step_seconds_median": med,
+    return {"preset": preset, "mode": mode, "params": n_params, "batch": B, "seq_len": T, "step_seconds_median": med,
             "first_step_seconds": compile_s, "tokens_per_s": tps, "train_flops_per_token": fpt,
             "mfu": tps * fpt / peak, "wall_seconds": time.perf_counter() - t0}
 
@@ -67,14 +74,16 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--presets", nargs="+", default=["tiny", "100m"])
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--modes", nargs="+", default=["fp32", "bf16"], choices=sorted(MODES),
+                    help="fp32, and bf16 compute + bf16 Newton–Schulz (MFU against the same fp32 GEMM peak)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     peak = gemm_peak_flops()
     res = {"benchmark": "train_throughput", "machine": platform.machine(), "cpus": __import__("os").cpu_count(),
            "jax": jax.__version__, "backend": jax.default_backend(), "gemm_peak_flops": peak,
-           "runs": [bench(p, a.steps, peak) for p in a.presets]}
+           "runs": [bench(p, a.steps, peak, mode=m) for p in a.presets for m in a.modes]}
     for r in res["runs"]:
-        print(f"{r['preset']:>5}: {r['params']:,} params, B={r['batch']} T={r['seq_len']}: {r['tokens_per_s']:,.0f} "
+        print(f"{r['preset']:>5} {r['mode']}: {r['params']:,} params, B={r['batch']} T={r['seq_len']}: {r['tokens_per_s']:,.0f} "
               f"tokens/s, MFU {r['mfu']:.1%} (GEMM peak {peak / 1e9:.0f} GFLOP/s), step {r['step_seconds_median']:.2f} s")
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=2))

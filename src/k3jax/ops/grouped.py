@@ -76,6 +76,13 @@ def tile_count(M: int, G: int, t: int) -> int:
     return max(1, (M + G * (t - 1)) // t)
 
 
+def _count_le(ends: jax.Array, n: int) -> jax.Array:
+    """``[#{g : ends_g ≤ i} for i < n]`` for non-decreasing ``ends`` (``searchsorted(ends, arange(n), "right")``)
+    in O(n + G): a histogram of the ends and its running sum (XLA:CPU's searchsorted is a sequential loop)."""
+    marks = jnp.zeros((n + 1,), jnp.int32).at[jnp.minimum(ends, n)].add(1)
+    return jnp.cumsum(marks)[:n]
+
+
 def tile_layout(sizes: jax.Array, M: int, t: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Where each of ``M`` rows sorted into groups of ``sizes [G]`` (Σ ≤ M) goes when every group is padded to
     whole tiles of ``t`` rows. Returns ``(src [nt·t]`` the row at each tiled position (``M`` = padding),
@@ -90,10 +97,10 @@ def tile_layout(sizes: jax.Array, M: int, t: int) -> tuple[jax.Array, jax.Array,
     tile_end = jnp.cumsum(tiles)
     tile_start = tile_end - tiles
     r = jnp.arange(M, dtype=jnp.int32)
-    g = jnp.minimum(jnp.searchsorted(end, r, side="right"), G - 1)          # each row's group
+    g = jnp.minimum(_count_le(end, M), G - 1)                              # each row's group
     dest = jnp.where(r < end[-1], tile_start[g] * t + (r - start[g]), nt * t).astype(jnp.int32)
     src = jnp.full((nt * t,), M, jnp.int32).at[dest].set(r, mode="drop")
-    group = jnp.minimum(jnp.searchsorted(tile_end, jnp.arange(nt, dtype=jnp.int32), side="right"), G - 1)
+    group = jnp.minimum(_count_le(tile_end, nt), G - 1)
     return src, group.astype(jnp.int32), dest
 
 

@@ -147,6 +147,11 @@ class TrainConfig:
         if self.precision not in PRECISIONS:
             raise ConfigError(f"training config: precision: expected one of {', '.join(PRECISIONS)}, got "
                               f"{self.precision!r}")
+        from k3jax.train.optim import NS_DTYPES
+
+        if self.optim.ns_dtype not in NS_DTYPES:
+            raise ConfigError(f"training config: optim.ns_dtype: expected one of {', '.join(NS_DTYPES)}, got "
+                              f"{self.optim.ns_dtype!r}")
         if self.balance not in BALANCE_METHODS:
             raise ConfigError(f"training config: balance: expected one of {', '.join(BALANCE_METHODS)}, got "
                               f"{self.balance!r}")

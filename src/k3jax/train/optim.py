@@ -59,6 +59,7 @@ class OptimConfig:
     min_lr_ratio: float = 0.1
     clip_norm: float = 1.0
     consistent_rms: float = 0.2
+    ns_dtype: str = "fp32"             # Newton–Schulz in "fp32" | "bf16" (products accumulated in fp32)
 
 
 def schedule(peak: float, steps: int, c: OptimConfig) -> optax.Schedule:
@@ -82,6 +83,10 @@ def schedule(peak: float, steps: int, c: OptimConfig) -> optax.Schedule:
 def make_optimizer(dims, steps: int, c: OptimConfig) -> optax.GradientTransformation:
     """Clip by global norm, then Muon / AdamW by parameter: ``dims`` is :func:`muon_dims_tree` of the parameters
     (a pure dict of ``MuonDimensionNumbers`` or None, the parameters' structure)."""
+    if c.ns_dtype not in NS_DTYPES:
+        raise ValueError(f"optim.ns_dtype: expected one of {', '.join(NS_DTYPES)}, got {c.ns_dtype!r}")
+    if c.ns_dtype != "fp32":      # optax's Muon iterates in the momentum's dtype; ours takes a compute dtype
+        return make_blockwise_optimizer(dims, steps, c)
     muon = optax.contrib.muon(
         learning_rate=schedule(c.lr, steps, c), weight_decay=c.weight_decay,
         adam_learning_rate=schedule(c.adam_lr, steps, c), adam_weight_decay=c.weight_decay,
@@ -90,6 +95,7 @@ def make_optimizer(dims, steps: int, c: OptimConfig) -> optax.GradientTransforma
 
 
 # ------------------------------------------------------------------------- Per-Head Muon over a sharded mesh
+NS_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
 NS_COEFFS = (3.4445, -4.7750, 2.0315)       # the quintic Newton–Schulz coefficients optax.contrib.muon defaults to
 
 
@@ -101,7 +107,8 @@ def matrix_axes(dims: MDN, ndim: int) -> tuple[tuple[int, ...], tuple[int, ...]]
 
 
 def newton_schulz(x: jax.Array, dims: MDN, steps: int = 5, coeffs=NS_COEFFS, eps: float = 1e-8, *,
-                  shape: tuple[int, ...] | None = None, gram_axes: tuple[str, ...] = ()) -> jax.Array:
+                  shape: tuple[int, ...] | None = None, gram_axes: tuple[str, ...] = (),
+                  dtype=None) -> jax.Array:
     """Orthogonalise every matrix of ``x`` in place of its axes (no transpose or reshape, so a layout in which the
     batch axes are split over devices and the matrix axes are whole needs no communication).
 
@@ -111,7 +118,10 @@ def newton_schulz(x: jax.Array, dims: MDN, steps: int = 5, coeffs=NS_COEFFS, eps
 
     Inside ``shard_map`` with the larger side split over mesh axes ``gram_axes``: ``x`` is this device's columns,
     ``shape`` the global shape (which side is smaller); the squared norm and the Gram matrix are ``psum``-ed over
-    ``gram_axes`` (a small matrix per iteration) and every other product is local."""
+    ``gram_axes`` (a small matrix per iteration) and every other product is local.
+
+    ``dtype`` (e.g. bf16): the iteration's operands after the fp32 normalisation, every product accumulated in fp32
+    and rounded back (as Muon's reference runs it); the result is returned in ``x``'s dtype."""
     red, out = matrix_axes(dims, x.ndim)
     batch = tuple(i for i in range(x.ndim) if i not in red + out)
     full = tuple(shape) if shape is not None else x.shape
@@ -126,18 +136,24 @@ def newton_schulz(x: jax.Array, dims: MDN, steps: int = 5, coeffs=NS_COEFFS, eps
     a_spec = f"{bs}{rs}{rs2}"
     third = "".join(L[2 * x.ndim + j] for j in range(len(rows)))
     hi = jax.lax.Precision.HIGHEST
+    in_dtype = x.dtype
     norm = jnp.sqrt(total(jnp.sum(jnp.square(x), axis=red + out, keepdims=True)))
     x = x / (norm + eps)
-    a0, a1, a2 = (jnp.asarray(c, x.dtype) for c in coeffs)
+    cd = jnp.dtype(dtype or x.dtype)
+    x = x.astype(cd)
+    acc = jnp.promote_types(cd, jnp.float32)
+    a0, a1, a2 = (jnp.asarray(c, acc) for c in coeffs)
+    ein = lambda spec, a, b: jnp.einsum(spec, a, b, precision=hi, preferred_element_type=acc)  # noqa: E731
+
     def iteration(_, x):
-        A = total(jnp.einsum(f"{xs},{xs2}->{a_spec}", x, x, precision=hi))                 # X Xᵀ
-        AA = jnp.einsum(f"{bs}{rs}{third},{bs}{third}{rs2}->{a_spec}", A, A, precision=hi)
-        Bm = a1 * A + a2 * AA
-        return a0 * x + jnp.einsum(f"{a_spec},{xs2}->{xs}", Bm, x, precision=hi)
+        A = total(ein(f"{xs},{xs2}->{a_spec}", x, x)).astype(cd)                             # X Xᵀ
+        AA = ein(f"{bs}{rs}{third},{bs}{third}{rs2}->{a_spec}", A, A)
+        Bm = (a1 * A + a2 * AA).astype(cd)
+        return (a0 * x + ein(f"{a_spec},{xs2}->{xs}", Bm, x)).astype(cd)
 
     # a loop, not unrolled: a model has dozens of Muon parameters, and unrolled iterations multiply the update's
     # program (and its compile time) by ``steps``
-    return jax.lax.fori_loop(0, steps, iteration, x)
+    return jax.lax.fori_loop(0, steps, iteration, x).astype(in_dtype)
 
 
 def muon_block_axis(dims: MDN, ndim: int) -> int | None:
@@ -157,7 +173,7 @@ def muon_column_axis(dims: MDN, shape: tuple[int, ...]) -> int:
 
 
 def scale_by_blockwise_muon(dims: dict, plans: dict | None, *, beta: float = 0.95, ns_steps: int = 5,
-                            eps: float = 1e-8) -> optax.GradientTransformation:
+                            eps: float = 1e-8, ns_dtype=None) -> optax.GradientTransformation:
     """Muon's momentum and Newton–Schulz (Nesterov, bias-corrected, as ``optax.contrib.scale_by_muon``) with each
     momentum moved into its whole-block layout before Newton–Schulz and back after it
     (:class:`~k3jax.parallel.blocks.BlockPlan` per parameter, None: Newton–Schulz in the parameter's own layout).
@@ -183,9 +199,9 @@ def scale_by_blockwise_muon(dims: dict, plans: dict | None, *, beta: float = 0.9
 
         def one(x, d, plan):
             if plan is None:
-                return newton_schulz(x, d, ns_steps, coeffs, eps)
+                return newton_schulz(x, d, ns_steps, coeffs, eps, dtype=ns_dtype)
             return apply_in_blocks(lambda b: newton_schulz(b, d, ns_steps, coeffs, eps, shape=plan.shape,
-                                                           gram_axes=plan.gram_axes), x, plan)
+                                                           gram_axes=plan.gram_axes, dtype=ns_dtype), x, plan)
 
         leaf = lambda x: isinstance(x, MDN)  # noqa: E731
         plans_ = plans if plans is not None else jax.tree.map(lambda d: None, dims, is_leaf=leaf)
@@ -216,7 +232,7 @@ def make_blockwise_optimizer(dims, steps: int, c: OptimConfig, plans: dict | Non
         return jax.tree.map(one, updates, mdims, is_leaf=lambda x: isinstance(x, MDN)), state
 
     muon_branch = optax.chain(
-        scale_by_blockwise_muon(mdims, mplans),
+        scale_by_blockwise_muon(mdims, mplans, ns_dtype=NS_DTYPES[c.ns_dtype]),
         optax.GradientTransformation(lambda p: optax.EmptyState(), shape_scale),
         optax.add_decayed_weights(c.weight_decay),
         optax.scale_by_learning_rate(schedule(c.lr, steps, c)))
