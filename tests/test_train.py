@@ -16,7 +16,7 @@ from conftest import jit_forward, small_train_config
 from k3jax import K3Config, K3ForCausalLM
 from k3jax.text.tokenizer import ByteTokenizer, DataError, HFTokenizer
 from k3jax.train.data import Dataset, pack, stdlib_corpus, user_corpus
-from k3jax.train.loop import TrainingError, model_config, train
+from k3jax.train.loop import TrainConfig, TrainingError, model_config, train
 from k3jax.train.optim import muon_dims, muon_partition
 
 
@@ -318,3 +318,17 @@ def test_newton_schulz_in_bf16_tracks_optax_muon_in_fp32():
         assert (rel <= 3e-2) if name != "norm" else (rel <= 1e-6), (name, rel)   # AdamW leaves are untouched
     with pytest.raises(ConfigError, match="optim.ns_dtype"):
         TrainConfig.from_dict({"optim": {"ns_dtype": "fp8"}})
+
+
+def test_resume_false_into_a_run_with_checkpoints_stops_before_writing(tmp_path):
+    # A second run with resume=false into a run directory that holds checkpoints used to train to its first save
+    # and then fail in Orbax ("checkpoint for step N already exists"), after overwriting the run's configs and
+    # metrics. It now stops at once, names the directory and the way out, and leaves every file as it was.
+    (tmp_path / "checkpoints" / "180").mkdir(parents=True)
+    (tmp_path / "train_config.json").write_text("the first run's")
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    c = TrainConfig.load(None, [f"out={tmp_path}", "resume=false", "steps=2"])
+    with pytest.raises(TrainingError, match=r"checkpoints \(latest step 180\) and resume=false.*resume=true"):
+        train(c)
+    assert (tmp_path / "train_config.json").read_text() == "the first run's"
+    assert (tmp_path / "metrics.jsonl").read_text() == "{}\n"

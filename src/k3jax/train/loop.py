@@ -331,6 +331,10 @@ def train(c: TrainConfig, *, console=None, stop_after: int | None = None, on_ste
 
     console = console or Console()
     out = Path(c.out)
+    old = sorted(int(p.name) for p in (out / "checkpoints").glob("*") if p.name.isdigit())
+    if old and not c.resume:      # before anything in the run directory is written over
+        raise TrainingError(f"{out / 'checkpoints'} holds checkpoints (latest step {old[-1]}) and resume=false: "
+                            f"pass resume=true to continue that run, or a new out= directory to start another")
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = load_tokenizer(c.tokenizer)
     cfg = model_config(c)
