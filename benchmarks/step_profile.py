@@ -24,6 +24,10 @@ gradients of its parameters and inputs); a component's time in the step is its c
 add, grad norm — show here; it is negative where the sub-steps cost more alone than inside the step). MFU =
 model FLOPs per token (``k3jax.costs``) × tokens/s over the GEMM peak measured in the same run; the Newton–Schulz
 FLOPs are counted apart (they are not model FLOPs). JSON out, a bar chart with ``--plot``.
+
+The stored chart's "before" is ``benchmarks/step_profile_before.json``, made by ``--grouped ragged --json …`` on the
+same code (``jax.lax.ragged_dot`` for the routed experts, the grouped matmul the step used before the tiled one;
+the other changes since are small beside it), and passed back with ``--before``.
 """
 
 from __future__ import annotations
