@@ -54,15 +54,16 @@ DEFAULT_STRATEGY = "tiles"
 
 def choose_tile(M: int, G: int, D: int, I: int) -> int:
     """Tile rows ``t`` for ``M`` sorted rows in ``G`` groups through ``[D, I]`` weights: the power of two in
-    8…512 minimising ``rows·(2·D·I) + tiles·(per-tile cost)``, with the per-tile cost the weight tile's copy
+    1…512 minimising ``rows·(2·D·I) + tiles·(per-tile cost)``, with the per-tile cost the weight tile's copy
     (``4·D·I`` bytes at ~8 FLOP/byte: a tile's weight is re-read from cache, not memory) plus a fixed ~8 rows of
     call overhead — 24 rows' worth a tile. Many small groups get small tiles (little padding), few large groups
     large ones (few weight copies). Fitted on the 2-core CPU (``benchmarks.step_profile`` and
     ``benchmarks.moonep`` time the two regimes): 100m's (M=2048, G=16, D=256, 3I=1536) → 64, a MoonEP rank's
-    (M=2048, G=224, D=64, 3I=96) → 16, each within noise of the fastest forward+backward of 8…256."""
-    best, best_cost = 8, None
-    for t in (8, 16, 32, 64, 128, 256, 512):
-        if t > max(8, M):
+    (M=2048, G=224, D=64, 3I=96) → 16, each within noise of the fastest forward+backward of 8…256. A decode
+    step's few rows (M ≤ G) get ``t = 1``: one gathered weight per row, no padding."""
+    best, best_cost = 1, None
+    for t in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512):
+        if t > max(1, M):
             break
         nt = tile_count(M, G, t)
         cost = nt * t * 2 * D * I + nt * (4 * D * I * 8 + 8 * 2 * D * I)
