@@ -34,6 +34,10 @@ _CACHE_MADE: list[str] = []
 # time, and the backend optimisation level changes code generation, not the operations' semantics (every comparison
 # in the suite has a tolerance or compares two programs compiled alike). K3JAX_TEST_XLA_OPT=1 keeps XLA's default.
 TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+# 8 simulated devices share 2 cores with the other pytest worker: one device's thread can reach a collective more than
+# XLA:CPU's default 40 s after the others (seen in a clean-clone CI run, where nothing is in the compile cache), and
+# XLA then aborts the process. The tests bound their own time; the rendezvous should not.
+COLLECTIVE_XLA_FLAGS = "--xla_cpu_collective_call_terminate_timeout_seconds=900"
 
 
 def xla_flags_for_tests(extra: str = "") -> str:
@@ -42,6 +46,8 @@ def xla_flags_for_tests(extra: str = "") -> str:
     flags = [os.environ.get("XLA_FLAGS", "")]
     if os.environ.get("K3JAX_TEST_XLA_OPT") != "1" and "xla_backend_optimization_level" not in flags[0]:
         flags.append(TEST_XLA_FLAGS)
+    if "collective_call_terminate_timeout" not in flags[0]:
+        flags.append(COLLECTIVE_XLA_FLAGS)
     return " ".join(f for f in [*flags, extra] if f)
 
 
