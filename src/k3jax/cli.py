@@ -163,6 +163,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+DEMO_OUT = "runs/demo"
 DEMO_NO_REPEAT_NGRAM = 12   # bytes: longer than Python's usual repeats (indentation, `self.`), shorter than a loop
 
 
@@ -176,10 +177,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
                                 "eval_every=30", "save_every=50", "eval_batches=16", "resume=false"])
     console.rule("[bold]k3jax demo: train the tiny K3 preset on Python's standard library")
     previous = Path(args.out) / "checkpoints"
-    if previous.is_dir() and (Path(args.out) / "train_config.json").is_file():
+    # the demo starts over in its own run directory; another --out with checkpoints is left to train()'s
+    # resume=false check, which stops before touching it
+    if args.out == DEMO_OUT and previous.is_dir() and (Path(args.out) / "train_config.json").is_file():
         import shutil
 
-        shutil.rmtree(previous)          # the demo starts over in its own run directory every time
+        shutil.rmtree(previous)
         console.print(f"removed the previous demo run's checkpoints in {previous}")
     console.print(f"JAX {jax.__version__} on {jax.devices()[0].platform}; every K3 feature on (KDA + gated MLA, "
                   f"Block AttnRes, Stable LatentMoE with SiTU, Quantile Balancing, Per-Head Muon)")
@@ -470,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--steps", type=int, default=180)
     d.add_argument("--batch-size", type=int, default=16,
                    help="sequences of 128 bytes per step (16: ~4 minutes on 2 CPU cores, val loss ≈ 1.94 nats)")
-    d.add_argument("--out", default="runs/demo")
+    d.add_argument("--out", default=DEMO_OUT)
     d.add_argument("--sample-tokens", type=int, default=240)
     d.add_argument("--no-repeat-ngram", type=int, default=DEMO_NO_REPEAT_NGRAM, metavar="N",
                    help="the greedy sample never repeats an N-token sequence (a guard against a small model's "
