@@ -7,7 +7,7 @@ the spec literally and everything is computed in float64.
 Public API
 ----------
 load_release_checkpoint(dir) -> (text_config: dict, tensors: dict[str, np.ndarray float64])
-forward(text_config, tensors, input_ids, record=None) -> logits [T, vocab] float64
+forward(text_config, tensors, input_ids, record=None, inputs_embeds=None) -> logits [T, vocab] float64
 
 Only unquantized checkpoints are supported (routed experts stored as
 ``experts.{e}.w{1,2,3}.weight``).
@@ -431,15 +431,16 @@ def _is_kda_layer(i, cfg):
     return (i + 1) in [int(n) for n in la.get("kda_layers", [])]
 
 
-def forward(text_config, tensors, input_ids, record=None):
+def forward(text_config, tensors, input_ids, record=None, inputs_embeds=None):
     """Full K3 text forward for one sequence. Returns logits [T, vocab] float64.
 
+    inputs_embeds: optional [T, H] array used instead of ``embed_tokens[input_ids]`` (e.g. text
+      embeddings with image features spliced in); ``input_ids`` is then ignored and may be None.
     record: optional dict; filled with
       record["attnres_candidates"]: list of (layer_index | "output", "attn"|"ffn"|"output", K+1)
       record["blocks0"]: the first sealed block (the token embedding), [T, H]
     """
     cfg = text_config
-    ids = np.asarray(input_ids).reshape(-1).astype(np.int64)
     eps = float(cfg["rms_norm_eps"])
     L = int(cfg["num_hidden_layers"])
     B = cfg.get("attn_res_block_size")
@@ -448,8 +449,14 @@ def forward(text_config, tensors, input_ids, record=None):
         record["attnres_candidates"] = []
         record["blocks0"] = None
 
-    emb = _get(tensors, "model.embed_tokens.weight")
-    x = emb[ids].astype(np.float64)
+    if inputs_embeds is not None:
+        x = np.array(inputs_embeds, dtype=np.float64)
+        if x.ndim != 2:
+            raise ValueError(f"inputs_embeds must be [T, H], got shape {x.shape}")
+    else:
+        ids = np.asarray(input_ids).reshape(-1).astype(np.int64)
+        emb = _get(tensors, "model.embed_tokens.weight")
+        x = emb[ids].astype(np.float64)
 
     def attn_fn(i, h):
         pre = _layer_prefix(i) + "self_attn."

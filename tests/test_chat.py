@@ -264,8 +264,11 @@ def test_system_message_with_tools_is_a_dynamic_declare():
     (["hi"], {}, "messages[0]: expected a message object, got str"),
     ([{"role": "user", "content": 5}], {},
      "messages[0].content: expected a string or a list of content parts, got int"),
-    ([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "x"}}]}],
-     {}, "messages[0].content[1]: images are not supported yet"),
+    ([{"role": "assistant", "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {}}]}],
+     {}, "messages[0].content[1]: images are accepted in user and system messages only"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}, "<|kimi_image_placeholder|>"]}],
+     {"image_prompts": ["<|media_pad|>"]}, "image_prompts: 1 image prompts for 2 image placeholders "
+                                           "(<|kimi_image_placeholder|> typed in a message counts too)"),
     ([{"role": "user", "content": "a"}], {"thinking_effort": "medium"},
      "reasoning_effort: expected one of low, high, max; got 'medium'"),
     ([{"role": "assistant", "content": "a", "tool_calls": [{"function": {"name": "", "arguments": "{}"}}]}], {},

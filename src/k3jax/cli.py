@@ -241,6 +241,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from k3jax.infer.load import load_model
 
     logging.getLogger("absl").setLevel(logging.ERROR)
+    if args.image:
+        return _generate_with_images(args)
     model, tok, what = load_model(args.model, dtype=args.dtype)
     cfg = model.config
     if cfg.vocab_size < tok.vocab_size:
@@ -290,6 +292,57 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"prompts": prompts, "tokens": res.tokens,
                                                "text": [tok.decode(t) for t in res.tokens], "stats": st}, indent=2))
+    return 0
+
+
+def _generate_with_images(args: argparse.Namespace) -> int:
+    """``k3jax generate --image``: one chat turn (the images, then the prompt) through the multimodal model."""
+    import sys
+
+    from k3jax.infer.load import load_model
+    from k3jax.infer.multimodal import MultimodalGenerator
+    from k3jax.text.chat import parse_assistant
+    from k3jax.vision.config import MediaConfig
+
+    if args.prompt and len(args.prompt) > 1:
+        console.print("[red]error:[/red] --image: one --prompt (the images belong to it)")
+        return 2
+    if args.speculative:
+        console.print("[red]error:[/red] --image: not supported with --speculative")
+        return 2
+    model, tok, what = load_model(args.model, dtype=args.dtype, vision=True)
+    gen = MultimodalGenerator(model, tok, media=MediaConfig.from_dir(args.model), chunk=args.chunk,
+                              max_len=args.max_len)
+    text = (args.prompt or [""])[0]
+    stops = [] if args.ignore_eos else None
+    console.print(f"[bold]k3jax generate[/bold] {what} with {len(args.image)} image(s); tokenizer {tok.name}; "
+                  f"{'greedy' if args.temperature == 0 else f'temperature {args.temperature}'}, seed {args.seed}",
+                  highlight=False)
+    stream = _TextStream(tok, sys.stdout) if not args.no_stream else None
+    kw = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+              on_token=stream, no_repeat_ngram=args.no_repeat_ngram)
+    if stops is not None:
+        kw["stop_tokens"] = stops + [int(s) for s in (args.stop or [])]
+    elif args.stop:
+        eos = model.config.eos_token_id
+        kw["stop_tokens"] = ([eos] if isinstance(eos, int) else list(eos or [])) + [int(s) for s in args.stop]
+    res, mp = gen.generate(text, args.image, args.max_new_tokens, thinking=not args.no_thinking, **kw)
+    out = res.tokens[0]
+    if stream is not None:
+        sys.stdout.write("\n")
+    else:
+        console.print(tok.decode(out), markup=False, highlight=False)
+    st = res.stats
+    console.print(f"images: {st['image_tokens']} vision tokens in {st['vision_s']:.2f} s (buckets compiled "
+                  f"{st['vision_compiles']}, padding {100 * st['vision_padding_waste']:.1f}%); prefill "
+                  f"{st['prefill_tokens']} tokens in {st['prefill_s']:.2f} s; decode {st['generated_tokens']} tokens, "
+                  f"{st['decode_tokens_per_s']:.1f} tokens/s", highlight=False)
+    if args.json:
+        msg = parse_assistant(tok.decode(out), thinking=not args.no_thinking) if out else None
+        Path(args.json).write_text(json.dumps({"prompt": text, "images": args.image, "prompt_ids": mp.ids,
+                                               "tokens": out, "text": tok.decode(out),
+                                               "content": getattr(msg, "content", None), "stats": st}, indent=2,
+                                              default=str))
     return 0
 
 
@@ -402,6 +455,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        prefix_cache=not args.no_prefix_cache, prefix_cache_memory=pmem,
                        prefix_cache_stride=args.prefix_cache_stride, prefix_cache_verify=args.prefix_cache_verify,
                        speculative=spec, speculative_adaptive=not args.speculative_no_fallback,
+                       vision=False if args.no_vision else None, image_dir=args.image_dir,
+                       allow_remote_images=args.allow_remote_images,
                        say=lambda m: console.print(m, highlight=False, soft_wrap=True))
     import signal
 
@@ -498,6 +553,10 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--model", required=True, help="preset name (random weights), k3jax train run directory, "
                    "Orbax export or release checkpoint directory")
     g.add_argument("--prompt", action="append", help="prompt text (repeat for a batch); default: empty after BOS")
+    g.add_argument("--image", action="append", metavar="PATH",
+                   help="an image for the prompt (repeat for several, in order): the prompt becomes one chat turn "
+                        "with the images, through the checkpoint's vision tower")
+    g.add_argument("--no-thinking", action="store_true", help="with --image: the response channel, no think channel")
     g.add_argument("--max-new-tokens", type=int, default=200)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-k", type=int, default=None)
@@ -564,6 +623,11 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens when a request gives none")
     s.add_argument("--dtype", default=None, help="compute dtype override (float32, bfloat16)")
     s.add_argument("--no-prefix-cache", action="store_true", help="turn the KDA-aware prefix cache off")
+    s.add_argument("--no-vision", action="store_true", help="text only: do not load a checkpoint's vision tower")
+    s.add_argument("--image-dir", default=None, metavar="DIR", help="allow chat image_url parts naming local files "
+                   "under DIR (default: data: URLs only)")
+    s.add_argument("--allow-remote-images", action="store_true", help="fetch http(s) image URLs (10 s timeout, "
+                   "20 MiB limit); refused with a 400 otherwise")
     s.add_argument("--prefix-cache-memory", default=None, metavar="BYTES", help="bytes for KDA checkpoints and "
                    "cached MLA pages together, e.g. 2GiB (default: the page pool plus one checkpoint per slot)")
     s.add_argument("--prefix-cache-stride", type=int, default=4, help="inside a prompt, a KDA checkpoint every N "

@@ -61,9 +61,9 @@ class Engine:
         self._sample = jax.jit(sample_next)
 
     # ------------------------------------------------------------------------------------------- jitted steps
-    def _prefill_impl(self, state, ids, cache, n_new, all_logits: bool = False):
+    def _prefill_impl(self, state, ids, cache, n_new, embeds=None, all_logits: bool = False):
         self.traces["prefill"] += 1                           # runs at trace time only: counts compilations
-        out = nnx.merge(self.graphdef, state)(ids, cache=cache, n_new=n_new)
+        out = nnx.merge(self.graphdef, state)(ids, cache=cache, n_new=n_new, embeds=embeds)
         if all_logits:
             return out.logits, out.cache
         last = jnp.take_along_axis(out.logits, jnp.clip(n_new - 1, 0)[:, None, None], axis=1)[:, 0]
@@ -98,10 +98,16 @@ class Engine:
         return out
 
     def prefill(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 0, *, all_logits: bool = False,
-                progress: Callable[[int, int], None] | None = None):
+                progress: Callable[[int, int], None] | None = None, embeds: Sequence | None = None):
         """Run the prompts through the model in chunks of ``self.chunk``; returns ``(cache, logits, lengths)``
         where logits are each prompt's last-token logits ``[B, vocab]`` (or ``[B, T, vocab]`` with
-        ``all_logits``) and the :class:`~k3jax.nn.cache.Cache` has room for ``max_new_tokens`` more tokens."""
+        ``all_logits``) and the :class:`~k3jax.nn.cache.Cache` has room for ``max_new_tokens`` more tokens.
+        ``embeds``: per prompt None or a :class:`~k3jax.vision.model.MultimodalPrompt` (anything with
+        ``overlay(start, length)``) whose rows replace the token embeddings at its image positions."""
+        if embeds is not None:
+            if len(embeds) != len(prompts):
+                raise GenerationError(f"embeds: {len(embeds)} entries for {len(prompts)} prompts")
+            prompts = [e.ids if e is not None else p for p, e in zip(prompts, embeds)]
         arrs = self.check_prompts(prompts, max_new_tokens)
         self.graphdef, self.state = nnx.split(self.model)     # the model's current weights (and router biases)
         B = len(arrs)
@@ -118,7 +124,7 @@ class Engine:
         for c in range(n_chunks):
             n_new = np.clip(lengths - c * C, 0, C).astype(np.int32)
             lg, cache = self._prefill(self.state, jnp.asarray(ids[:, c * C:(c + 1) * C]), cache,
-                                      jnp.asarray(n_new), all_logits=all_logits)
+                                      jnp.asarray(n_new), self._overlay(embeds, c * C, C), all_logits=all_logits)
             if all_logits:
                 outs.append(lg)
             else:
@@ -129,23 +135,43 @@ class Engine:
         logits = jnp.concatenate(outs, axis=1)[:, :T] if all_logits else last
         return cache, logits, lengths
 
+    def _overlay(self, embeds, start: int, C: int):
+        """The chunk's ``(rows [B, C, hidden], mask [B, C])`` of spliced image rows, or None when it has none."""
+        if embeds is None:
+            return None
+        parts = [e.overlay(start, C) if e is not None else None for e in embeds]
+        if all(p is None for p in parts):
+            return None
+        H = self.cfg.hidden_size
+        rows = np.zeros((len(parts), C, H), np.float32)
+        mask = np.zeros((len(parts), C), bool)
+        for b, p in enumerate(parts):
+            if p is not None:
+                rows[b], mask[b] = p
+        return jnp.asarray(rows, self.cfg.dtype), jnp.asarray(mask)
+
     # ----------------------------------------------------------------------------------------------- generate
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int = 0,
                  stop_tokens: Sequence[int] = (), on_token: Callable[[int, int], None] | None = None,
-                 progress: Callable[[int, int], None] | None = None, no_repeat_ngram: int = 0) -> GenerateResult:
+                 progress: Callable[[int, int], None] | None = None, no_repeat_ngram: int = 0,
+                 embeds: Sequence | None = None) -> GenerateResult:
         """Generate up to ``max_new_tokens`` per prompt. ``on_token(row, token)`` streams each new token as it is
         produced; a row stops after emitting a stop token. The same seed gives the same output.
 
         ``no_repeat_ngram=n`` (> 0; a guard against the loops of small models, transformers' ``no_repeat_ngram_size``):
         a token that would complete an n-gram already present in the row (prompt and output) is excluded and the
-        token is drawn again without it; ``stats["no_repeat_ngram_changed"]`` counts the tokens it changed."""
+        token is drawn again without it; ``stats["no_repeat_ngram_changed"]`` counts the tokens it changed.
+        ``embeds``: per prompt None or a :class:`~k3jax.vision.model.MultimodalPrompt` (images spliced in; its
+        ``ids`` replace the prompt)."""
         check_sampling(temperature, top_k, top_p, max_new_tokens)
         if not isinstance(no_repeat_ngram, int) or no_repeat_ngram < 0:
             raise GenerationError(f"no_repeat_ngram: expected an integer ≥ 0 (0 = off), got {no_repeat_ngram!r}")
         B = len(prompts)
         t0 = time.perf_counter()
-        cache, logits, lengths = self.prefill(prompts, max_new_tokens, progress=progress)
+        if embeds is not None:
+            prompts = [e.ids if e is not None else p for p, e in zip(prompts, embeds)]
+        cache, logits, lengths = self.prefill(prompts, max_new_tokens, progress=progress, embeds=embeds)
         logits.block_until_ready()
         t_prefill = time.perf_counter() - t0
         out: list[list[int]] = [[] for _ in range(B)]

@@ -34,12 +34,16 @@ def load_training_run(run: str | Path, step: int | None = None, *, dtype: str | 
     return restore_model(cfg, ck / str(step) / "state", training_state=True, against=str(run / "config.json"))
 
 
-def load_model(spec: str, *, dtype: str | None = None, seed: int = 0):
+def load_model(spec: str, *, dtype: str | None = None, seed: int = 0, vision: bool = False):
     """``(model, tokenizer, description)`` for what ``spec`` names. An existing path wins over a preset name (the
     precedence of :func:`k3jax.config.resolve_config`): a ``k3jax train`` run directory, an Orbax export
     (``k3jax.json``) or a release / Kimi Linear checkpoint directory (safetensors); else a preset (random weights,
-    ``seed``); else :class:`~k3jax.config.ConfigError` listing the presets."""
+    ``seed``); else :class:`~k3jax.config.ConfigError` listing the presets. ``vision=True``: the multimodal
+    model of a release checkpoint with a ``vision_config`` (:class:`~k3jax.vision.model.K3ForConditionalGeneration`)."""
     p = Path(spec)
+    if vision and not (p.is_dir() and any(p.glob("*.safetensors"))):
+        raise ModelLoadError(f"{spec}: images need a release checkpoint directory (safetensors with vision_tower.* "
+                             f"and a vision_config in config.json)")
     if not p.exists():
         cfg = resolve_config(spec)
         if dtype:
@@ -56,7 +60,7 @@ def load_model(spec: str, *, dtype: str | None = None, seed: int = 0):
     if any(p.glob("*.safetensors")):
         from k3jax.io.hf import load_pretrained
 
-        return load_pretrained(p, dtype=dtype), _dir_tokenizer(p), f"release checkpoint {p}"
+        return load_pretrained(p, dtype=dtype, vision=vision), _dir_tokenizer(p), f"release checkpoint {p}"
     raise ModelLoadError(f"{p}: not a k3jax training run (train_config.json), an Orbax export (k3jax.json) or a "
                          f"checkpoint directory (*.safetensors)")
 

@@ -79,10 +79,10 @@ class PrefixCaching:
         self.traces["prefix"] += 1
         return sample_rows(logits[None], *[jnp.reshape(s, (1,)) for s in samp])[0]
 
-    def _reference_chunk_impl(self, state, cache, ids, n):
+    def _reference_chunk_impl(self, state, cache, ids, n, embeds=None):
         """A chunk of a from-scratch prefill into a contiguous cache (``prefix_verify``'s independent path)."""
         self.traces["prefix"] += 1
-        out = nnx.merge(self.graphdef, state)(ids, cache=cache, n_new=jnp.reshape(n, (1,)))
+        out = nnx.merge(self.graphdef, state)(ids, cache=cache, n_new=jnp.reshape(n, (1,)), embeds=embeds)
         return jax.lax.dynamic_index_in_dim(out.logits[0], jnp.maximum(n - 1, 0), 0, keepdims=False), out.cache
 
     # ------------------------------------------------------------------------------------------- host side
@@ -126,7 +126,7 @@ class PrefixCaching:
         ref = init_cache(self.cfg, 1, self.max_model_len)
         for s in range(0, hit, C):
             logits, ref = self._reference_chunk(self.state, ref, _dev(ids[None, s:s + C]),
-                                                _i32(min(C, hit - s)))
+                                                _i32(min(C, hit - s)), self._chunk_embeds(req, s, C))
         pairs = [("logits", logits, node.checkpoint.logits)]
         got = iter(self._save_rows(self.cache, _i32(req.slot)))
         pages = _dev(np.array(req.pages[:-(-hit // self.page_size)], np.int32))

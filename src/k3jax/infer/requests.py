@@ -123,6 +123,7 @@ class Request:
     cancelled: bool = False
     use_prefix_cache: bool = True       # False: no lookup and no registration (a reference run, or privacy)
     content_keys: tuple = ()            # (token position, digest) of non-token inputs (images), hashed in
+    embeds: object = None               # a MultimodalPrompt: image rows spliced at its positions during prefill
     cached_tokens: int = 0              # prompt tokens served from the prefix cache (first admission)
     hashes: list = field(default_factory=list)          # chain hash per complete block of prompt + generated
     save_at: frozenset = frozenset()    # boundaries where this admission's prefill saves a KDA checkpoint

@@ -167,11 +167,12 @@ class Scheduler(PrefixCaching, SpeculativeDecoding):
         self._init_speculative(speculative, draft_model, drafter)
 
     # --------------------------------------------------------------------------------------------- jitted
-    def _prefill_impl(self, state, cache, table, lengths, slot, ids, n, samp):
+    def _prefill_impl(self, state, cache, table, lengths, slot, ids, n, samp, embeds=None):
         """One chunk ``ids [1, C]`` (first ``n`` real) of slot ``slot`` starting at ``lengths[slot]``; a slot at
-        length 0 starts from a zero KDA state. Returns (token sampled from the chunk's last real logits, cache)."""
+        length 0 starts from a zero KDA state; ``embeds`` (rows [1, C, hidden], mask [1, C]): image rows spliced in.
+        Returns (token sampled from the chunk's last real logits, cache)."""
         self.traces["prefill"] += 1                           # runs at trace time only: counts compilations
-        out, cache = slot_chunk(nnx.merge(self.graphdef, state), cache, table, lengths, slot, ids, n)
+        out, cache = slot_chunk(nnx.merge(self.graphdef, state), cache, table, lengths, slot, ids, n, embeds)
         last = jax.lax.dynamic_index_in_dim(out.logits[0], jnp.maximum(n - 1, 0), 0, keepdims=True)
         tok = sample_rows(last, *[jnp.reshape(s, (1,)) for s in samp])
         return tok[0], last[0], cache
@@ -257,7 +258,7 @@ class Scheduler(PrefixCaching, SpeculativeDecoding):
     def submit(self, prompt: Sequence[int], params: SamplingParams | None = None, *,
                callback: Callable[[TokenEvent], None] | None = None, request_id: str | None = None,
                use_prefix_cache: bool = True, content_keys: Sequence[tuple[int, bytes]] = (),
-               use_speculative: bool = True, prediction: Sequence[int] = ()) -> Request:
+               use_speculative: bool = True, prediction: Sequence[int] = (), embeds=None) -> Request:
         """Queue a request (it joins the batch at the next step). Raises :class:`RequestError` for a request that
         can never run and :class:`QueueFull` when ``max_queue`` requests are waiting. ``use_prefix_cache=False``:
         neither reuses nor adds cached prefixes; ``content_keys``: ``(position, digest bytes)`` of inputs that are
@@ -266,6 +267,13 @@ class Scheduler(PrefixCaching, SpeculativeDecoding):
         token ids the answer is expected to resemble (OpenAI's predicted output, e.g. the document an edit starts
         from), which prompt lookup drafts from too."""
         params = params or SamplingParams()
+        if embeds is not None:                      # a MultimodalPrompt: its expanded ids are the prompt
+            prompt = embeds.ids
+            if embeds.rows.shape[1:] != (self.cfg.hidden_size,):
+                raise RequestError(f"embeds: rows of width {embeds.rows.shape[1:]}, expected "
+                                   f"({self.cfg.hidden_size},)", "embeds")
+            if not content_keys:
+                content_keys = embeds.content_keys
         ids = self.check(prompt, params)
         keys = []
         for k in content_keys:
@@ -283,7 +291,7 @@ class Scheduler(PrefixCaching, SpeculativeDecoding):
         seed = params.seed if params.seed is not None else secrets.randbits(32)
         req = Request(id=request_id or f"req-{next(self._ids)}", prompt=ids, params=params, stops=stops, seed=seed,
                       callback=callback, sequence=list(ids), arrival=time.perf_counter(),
-                      use_prefix_cache=bool(use_prefix_cache), content_keys=tuple(sorted(keys)),
+                      use_prefix_cache=bool(use_prefix_cache), content_keys=tuple(sorted(keys)), embeds=embeds,
                       use_speculative=bool(use_speculative), prediction=pred,
                       logits=[] if self.record_logits else None)
         if callback is None:
@@ -527,7 +535,7 @@ class Scheduler(PrefixCaching, SpeculativeDecoding):
         self.lengths[req.slot] = req.computed
         tok, last, self.cache = self._prefill(self.state, self.cache, _dev(self.table), _dev(self.lengths),
                                               _i32(req.slot), _dev(ids), _i32(n),
-                                              self._samp_arrays([req]))
+                                              self._samp_arrays([req]), self._chunk_embeds(req, req.computed, C))
         req.computed += n
         if self.prefix is not None and req.use_prefix_cache:
             self._register(req, last if req.computed in req.save_at else None)
@@ -539,6 +547,15 @@ class Scheduler(PrefixCaching, SpeculativeDecoding):
             if req.logits is not None:
                 req.logits.append(np.array(last))
             self._accept_token(req, int(tok))
+
+    def _chunk_embeds(self, req: Request, start: int, C: int):
+        """``(rows [1, C, hidden], mask [1, C])`` of the request's image rows in ``[start, start + C)``, or None."""
+        if req.embeds is None:
+            return None
+        ov = req.embeds.overlay(start, C)
+        if ov is None:
+            return None
+        return jnp.asarray(ov[0][None], self.cfg.dtype), jnp.asarray(ov[1][None])
 
     def _ensure_page(self, req: Request) -> bool:
         """The page for the token ``req`` writes next; preempts newer requests when the pool is empty. False when

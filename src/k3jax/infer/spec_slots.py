@@ -47,7 +47,7 @@ log = logging.getLogger("k3jax.scheduler")
 _COST_WEIGHT = 0.2          # exponential average of the measured step times
 
 
-def slot_chunk(model, cache: Cache, table, lengths, slot, ids, n):
+def slot_chunk(model, cache: Cache, table, lengths, slot, ids, n, embeds=None):
     """Run ``ids [1, C]`` (first ``n`` real) through ``model`` as a continuation of slot ``slot`` of the paged
     ``cache`` (a slot at length 0 starts from a zero KDA state). Returns ``(output, cache with the slot's row
     written back)``."""
@@ -56,7 +56,7 @@ def slot_chunk(model, cache: Cache, table, lengths, slot, ids, n):
     fresh = row.lengths[0] == 0
     row = Cache(tuple(jax.tree.map(lambda x: jnp.where(fresh, jnp.zeros((), x.dtype), x), c)
                       if isinstance(c, KDACache) else c for c in row.layers), row.lengths)
-    out = model(ids, cache=row, n_new=jnp.reshape(n, (1,)))
+    out = model(ids, cache=row, n_new=jnp.reshape(n, (1,)), embeds=embeds)
     return out, cache.write_slots(slot, out.cache)
 
 

@@ -174,6 +174,32 @@ class _Source:
         return self.part(a) if self.part is not None else a
 
 
+def expected_vision_tensors(v) -> dict[str, Spec]:
+    """Release key → :class:`Spec` of every ``vision_tower.*`` / ``mm_projector.*`` tensor (spec §2), for a
+    :class:`~k3jax.vision.config.VisionConfig` ``v``; parameter paths are those of
+    :class:`~k3jax.vision.model.K3ForConditionalGeneration`."""
+    D, Q, I, p, M4 = v.vt_hidden_size, v.qkv_hidden_size, v.vt_intermediate_size, v.patch_size, 4 * v.mm_hidden_size
+    T = v.text_hidden_size
+    out = {"vision_tower.patch_embed.proj.weight": Spec(("vision_tower", "patch_embed", "proj", "kernel"),
+                                                        (D, 3, p, p), "patch"),
+           "vision_tower.patch_embed.pos_emb.weight": Spec(("vision_tower", "patch_embed", "pos_emb"),
+                                                           (v.init_pos_emb_height, v.init_pos_emb_width, D), "copy")}
+    for b in range(v.vt_num_hidden_layers):
+        k, path = f"vision_tower.encoder.blocks.{b}", ("vision_tower", "encoder", "blocks", b)
+        out[f"{k}.norm0.weight"] = Spec(path + ("norm0", "weight"), (D,), "copy")
+        out[f"{k}.wqkv.weight"] = Spec(path + ("wqkv", "kernel"), (3 * Q, D), "linear")
+        out[f"{k}.wo.weight"] = Spec(path + ("wo", "kernel"), (D, Q), "linear")
+        out[f"{k}.norm1.weight"] = Spec(path + ("norm1", "weight"), (D,), "copy")
+        out[f"{k}.mlp.fc0.weight"] = Spec(path + ("mlp", "fc0", "kernel"), (I, D), "linear")
+        out[f"{k}.mlp.fc1.weight"] = Spec(path + ("mlp", "fc1", "kernel"), (D, I), "linear")
+    out["vision_tower.encoder.final_layernorm.weight"] = Spec(("vision_tower", "encoder", "final_layernorm",
+                                                               "weight"), (D,), "copy")
+    out["mm_projector.proj.0.weight"] = Spec(("mm_projector", "proj", 0, "kernel"), (M4, M4), "linear")
+    out["mm_projector.proj.2.weight"] = Spec(("mm_projector", "proj", 1, "kernel"), (T, M4), "linear")
+    out["mm_projector.post_norm.weight"] = Spec(("mm_projector", "post_norm", "weight"), (T,), "copy")
+    return out
+
+
 def _canonical(bare: str, cfg: K3Config, f: SafetensorsFile, key: str) -> list[tuple[str, _Source]]:
     """Release-format name(s) for the stored ``key`` (``bare``: without the prefix); fused tensors expand.
 
@@ -267,6 +293,8 @@ def _convert(name: str, spec: Spec, src: _Source, target: str) -> np.ndarray | t
         return a.T
     if spec.kind == "conv":
         return a[:, 0, :]
+    if spec.kind == "patch":                       # conv [D, 3, p, p] → kernel [3p², D], flat index ch·p² + i·p + j
+        return a.reshape(a.shape[0], -1).T
     return a
 
 
@@ -299,11 +327,14 @@ class LoadPlan:
     files: list[SafetensorsFile]
     prefixed: bool
     mxfp4: bool                       # the checkpoint stores routed experts packed
+    vision: object = None             # the VisionConfig when the vision tensors are loaded too
 
 
-def plan_load(path: str | Path, cfg: K3Config) -> LoadPlan:
+def plan_load(path: str | Path, cfg: K3Config, vision=None) -> LoadPlan:
     """Open every shard's header and match its tensors to the config; raise on anything missing, duplicated,
-    unknown, misshapen or of the wrong dtype before a single tensor is read."""
+    unknown, misshapen or of the wrong dtype before a single tensor is read. With ``vision`` (a
+    :class:`~k3jax.vision.config.VisionConfig`) the ``vision_tower.*`` / ``mm_projector.*`` tensors are matched with
+    the same checks; without, they are skipped."""
     path = Path(path)
     paths, weight_map = checkpoint_files(path)
     files = [SafetensorsFile(p) for p in paths]
@@ -316,18 +347,28 @@ def plan_load(path: str | Path, cfg: K3Config) -> LoadPlan:
     all_keys = [k for f in files for k in f.keys()]
     prefixed = any(k.startswith(PREFIX) for k in all_keys)
     expected = expected_tensors(cfg)
+    vexpected = expected_vision_tensors(vision) if vision is not None else {}
     found: dict[str, _Source] = {}
+    vfound: dict[str, _Source] = {}
     skipped = 0
     unknown: list[str] = []
     for f in files:
         for key in f.keys():
             bare = key
+            if key.startswith(SKIP_PREFIXES):
+                if vision is None:
+                    skipped += 1
+                elif key not in vexpected:
+                    unknown.append(f"{key!r} in {f.path}")
+                elif key in vfound:
+                    raise CheckpointError(f"tensor {key!r} appears twice: {vfound[key].where()} and "
+                                          f"{_Source(f, key).where()}")
+                else:
+                    vfound[key] = _Source(f, key)
+                continue
             if prefixed:
                 if not key.startswith(PREFIX):
-                    if key.startswith(SKIP_PREFIXES):
-                        skipped += 1
-                    else:
-                        unknown.append(f"{key!r} in {f.path}")
+                    unknown.append(f"{key!r} in {f.path}")
                     continue
                 bare = key[len(PREFIX):]
             if bare.startswith(SKIP_PREFIXES):
@@ -369,9 +410,23 @@ def plan_load(path: str | Path, cfg: K3Config) -> LoadPlan:
     if missing:
         raise CheckpointError(f"{len(missing)} expected tensors missing from {path}, e.g. "
                               f"{[PREFIX + m if prefixed else m for m in missing[:3]]}")
+    vmissing = [n for n in vexpected if n not in vfound]
+    if vmissing:
+        raise CheckpointError(f"{len(vmissing)} vision tensors missing from {path}, e.g. {vmissing[:3]} "
+                              f"(load with vision=False for the text model alone)")
     for name, spec in expected.items():
         _check_header(name, spec, found[name], cfg)
-    return LoadPlan(cfg, expected, found, files, prefixed, mx)
+    for name, spec in vexpected.items():
+        _check_header(name, spec, vfound[name], cfg)
+    if vision is not None:
+        expected = {**{n: _prefixed(s) for n, s in expected.items()}, **vexpected}
+        found = {**found, **vfound}
+    return LoadPlan(cfg, expected, found, files, prefixed, mx, vision)
+
+
+def _prefixed(spec: Spec) -> Spec:
+    """The text tensor's spec inside :class:`~k3jax.vision.model.K3ForConditionalGeneration`."""
+    return Spec(("language_model",) + spec.param, spec.shape, spec.kind, spec.expert)
 
 
 @jax.jit
@@ -409,8 +464,12 @@ def _progress(total: int, enabled: bool | None, label: str):
 
 
 def load_pretrained(path: str | Path, *, dtype: str | None = None, expert_dtype: str | None = None,
-                    mesh: jax.sharding.Mesh | None = None, progress: bool | None = None) -> K3ForCausalLM:
-    """``config.json`` + safetensors → :class:`K3ForCausalLM`.
+                    mesh: jax.sharding.Mesh | None = None, progress: bool | None = None, vision: bool = False,
+                    vt_norm_eps: float | None = None):
+    """``config.json`` + safetensors → :class:`K3ForCausalLM` (the text model; vision tensors skipped), or with
+    ``vision=True`` a :class:`~k3jax.vision.model.K3ForConditionalGeneration` (the config's ``vision_config``; the
+    ``vision_tower.*`` / ``mm_projector.*`` tensors checked like the text ones). ``vt_norm_eps`` overrides the ViT
+    RMSNorm ε (default 2⁻²³, torch ≥ 2.7; 2⁻⁷ reproduces mlx-vlm 0.7.10).
 
     ``dtype`` overrides the config's activation/parameter dtype; ``expert_dtype`` chooses how routed experts are
     held: ``"bfloat16"``/``"float32"`` (dequantized) or ``"mxfp4"`` (packed, ~4.25 bits per weight, dequantized
@@ -423,14 +482,32 @@ def load_pretrained(path: str | Path, *, dtype: str | None = None, expert_dtype:
     cfg = K3Config.from_json(path / "config.json")
     if dtype is not None:
         cfg = cfg.replace(dtype=dtype)
-    plan = plan_load(path, cfg)
+    vcfg = None
+    if vision:
+        from k3jax.vision.config import vision_config_of
+
+        vcfg = vision_config_of(cfg.top_level, cfg.hidden_size, source=str(path / "config.json"))
+        if vcfg is None:
+            raise CheckpointError(f"{path / 'config.json'}: no vision_config, so there is no vision tower to load "
+                                  f"(load with vision=False)")
+        if vt_norm_eps is not None:
+            import dataclasses
+
+            vcfg = dataclasses.replace(vcfg, vt_norm_eps=float(vt_norm_eps))
+            vcfg.validate("vt_norm_eps")
+    plan = plan_load(path, cfg, vcfg)
     if expert_dtype is None and plan.mxfp4:
         expert_dtype = "mxfp4"
     if expert_dtype is not None:
         cfg = cfg.replace(expert_dtype=expert_dtype)
     target_experts = cfg.expert_dtype or cfg.dtype
 
-    abstract = nnx.eval_shape(lambda: K3ForCausalLM(cfg, rngs=nnx.Rngs(0)))
+    if vcfg is not None:
+        from k3jax.vision.model import K3ForConditionalGeneration
+
+        abstract = nnx.eval_shape(lambda: K3ForConditionalGeneration(cfg, vcfg, rngs=nnx.Rngs(0)))
+    else:
+        abstract = nnx.eval_shape(lambda: K3ForCausalLM(cfg, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     targets = {p: var for p, var in nnx.to_flat_state(state)}
 

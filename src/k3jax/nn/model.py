@@ -118,9 +118,15 @@ class K3Model(nnx.Module):
             self.output_attn_res = AttnResSite(cfg)
 
     def __call__(self, input_ids: jax.Array, *, cache: Cache | None = None, n_new: jax.Array | None = None,
+                 embeds: tuple[jax.Array, jax.Array] | None = None,
                  **kw) -> tuple[jax.Array, tuple | None, list[RoutingStats]]:
-        """Final hidden states ``[B, T, hidden]``, the layers' new caches (or None) and the MoE layers' stats."""
+        """Final hidden states ``[B, T, hidden]``, the layers' new caches (or None) and the MoE layers' stats.
+        ``embeds = (rows [B, T, hidden], mask [B, T] bool)``: where ``mask``, ``rows`` replace the token embedding
+        (image features spliced at ``<|media_pad|>`` positions)."""
         x = jnp.take(self.embed_tokens[...], input_ids, axis=0)
+        if embeds is not None:
+            rows, mask = embeds
+            x = jnp.where(mask[..., None], rows.astype(x.dtype), x)
         cp = kw.get("cp")
         if cp is not None and cp.active and cache is None:
             x = cp.constrain(x)                          # tokens stay on the rank that owns their time slice
@@ -153,7 +159,8 @@ class K3ForCausalLM(nnx.Module):
     def __call__(self, input_ids: jax.Array, *, cache: Cache | None = None, n_new: jax.Array | None = None,
                  segment_ids: jax.Array | None = None, kda_kernel: str = "chunked", moe_grouped: bool = True,
                  ep: ExpertParallel | None = None, router_scores: bool = False,
-                 kda_record: bool = False, cp: ContextParallel | None = None) -> CausalLMOutput:
+                 kda_record: bool = False, cp: ContextParallel | None = None,
+                 embeds: tuple[jax.Array, jax.Array] | None = None) -> CausalLMOutput:
         """Logits ``[B, T, vocab]`` and per-MoE-layer expert token counts.
 
         * ``cache=None``: whole sequences (training, one-shot scoring); ``segment_ids [B, T]`` marks packed
@@ -170,6 +177,8 @@ class K3ForCausalLM(nnx.Module):
           tokens of each row.
         * ``cp`` (:class:`~k3jax.parallel.context.ContextParallel`, without a cache): sequences split along time
           over a mesh's context axis (KDA by affine state summaries, MLA by gathering the latent).
+        * ``embeds = (rows [B, T, hidden], mask [B, T] bool)``: input rows that replace the token embedding where
+          ``mask`` (image features at ``<|media_pad|>`` positions; :mod:`k3jax.vision`).
         """
         input_ids = jnp.asarray(input_ids)
         if input_ids.ndim != 2 or not jnp.issubdtype(input_ids.dtype, jnp.integer):
@@ -183,7 +192,12 @@ class K3ForCausalLM(nnx.Module):
                 raise ValueError(f"cache: batch {cache.batch} != input_ids batch {input_ids.shape[0]}")
             if n_new is None:
                 n_new = jnp.full((input_ids.shape[0],), input_ids.shape[1], jnp.int32)
-        h, layers, stats = self.model(input_ids, cache=cache, n_new=n_new, segment_ids=segment_ids,
+        if embeds is not None:
+            rows, mask = embeds
+            if rows.shape != input_ids.shape + (self.config.hidden_size,) or mask.shape != input_ids.shape:
+                raise ValueError(f"embeds: expected rows {input_ids.shape + (self.config.hidden_size,)} and mask "
+                                 f"{input_ids.shape}, got {rows.shape} and {mask.shape}")
+        h, layers, stats = self.model(input_ids, cache=cache, n_new=n_new, segment_ids=segment_ids, embeds=embeds,
                                       kda_kernel=kda_kernel, moe_grouped=moe_grouped, ep=ep,
                                       router_scores=router_scores, kda_record=kda_record, cp=cp)
         E = self.config.num_experts or 0

@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, 
 
 from k3jax.infer.scheduler import QueueFull, RequestError, SamplingParams, Scheduler, TokenEvent
 from k3jax.serve.metrics import ServerMetrics
+from k3jax.vision.model import PromptError, splice_prompt
 from k3jax.text.chat import ChatFormatError, AssistantStreamParser, chat_tokenizer_problem, encode_chat
 
 log = logging.getLogger("k3jax.serve")
@@ -179,9 +180,10 @@ class _StopText:
         return out
 
 
-def create_app(sched: Scheduler, tokenizer, config: ServeConfig):
+def create_app(sched: Scheduler, tokenizer, config: ServeConfig, vision=None):
     """The FastAPI app serving ``sched`` (already warmed up and started). Closing the app (lifespan end: Ctrl-C,
-    SIGTERM) drains running requests for ``config.drain_timeout`` seconds, then cancels the rest."""
+    SIGTERM) drains running requests for ``config.drain_timeout`` seconds, then cancels the rest. ``vision`` (a
+    :class:`~k3jax.serve.images.VisionService`): chat messages may carry ``image_url`` parts."""
     metrics = ServerMetrics(sched)
     chat_problem = chat_tokenizer_problem(tokenizer)
     end_of_msg = tokenizer.special_id("<|end_of_msg|>") if hasattr(tokenizer, "special_id") else None
@@ -290,7 +292,7 @@ def create_app(sched: Scheduler, tokenizer, config: ServeConfig):
     def stops_of(body: _Common) -> list[str]:
         return [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
 
-    async def run(ids: list[int], params: SamplingParams, body: _Common) -> tuple[Any, asyncio.Queue]:
+    async def run(ids: list[int], params: SamplingParams, body: _Common, embeds=None) -> tuple[Any, asyncio.Queue]:
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[TokenEvent] = asyncio.Queue()
 
@@ -299,7 +301,7 @@ def create_app(sched: Scheduler, tokenizer, config: ServeConfig):
 
         try:
             req = sched.submit(ids, params, callback=cb, request_id=f"req-{uuid.uuid4().hex[:12]}",
-                               use_speculative=body.speculative, prediction=prediction_ids(body))
+                               use_speculative=body.speculative, prediction=prediction_ids(body), embeds=embeds)
         except RequestError as e:
             raise APIError(400, str(e), e.field) from None
         except QueueFull as e:
@@ -415,6 +417,22 @@ def create_app(sched: Scheduler, tokenizer, config: ServeConfig):
 
     # ------------------------------------------------------------------------------------------------- chat
     @app.post("/v1/chat/completions")
+    async def chat_images(messages) -> list:
+        """The request's images, processed (in order); 400 naming the content part when one is unusable."""
+        from k3jax.serve.images import image_parts, load_request_images
+        from k3jax.vision.processor import ImageError
+
+        parts = image_parts(messages)
+        if not parts:
+            return []
+        if vision is None:
+            raise APIError(400, f"{parts[0][0]}: this server has no vision tower (serve a checkpoint with a "
+                                f"vision_config to send images)", parts[0][0])
+        try:
+            return await asyncio.to_thread(load_request_images, messages, vision)
+        except ImageError as e:
+            raise APIError(400, str(e), str(e).split(":", 1)[0]) from None
+
     async def chat(request: Request):
         body = _parse(ChatBody, await request.body())
         if chat_problem is not None:
@@ -436,16 +454,25 @@ def create_app(sched: Scheduler, tokenizer, config: ServeConfig):
                                 f"thinking_effort", "chat_template_kwargs")
         if effort == "default":
             effort = "max"                                      # the release's default (K3_CHAT §4)
+        images = await chat_images(body.messages)
         try:
             ids = encode_chat(tokenizer, body.messages, tools=body.tools, thinking=thinking,
                               thinking_effort=effort if thinking else None, tool_choice=body.tool_choice,
-                              response_format=body.response_format)
+                              response_format=body.response_format,
+                              image_prompts=[im.prompt() for im in images] if images else None)
         except ChatFormatError as e:
             field = str(e).split(":", 1)[0]
             raise APIError(400, str(e), field) from None
+        embeds = None
+        if images:
+            feats = await asyncio.to_thread(vision.encode, images)
+            try:
+                embeds = splice_prompt(ids, feats, vision.pad_id, [im.digest for im in images])
+            except PromptError as e:
+                raise APIError(400, f"messages: {e}", "messages") from None
         extra = (end_of_msg,) if end_of_msg is not None else ()
         params = sampling(body, body.max_completion_tokens or body.max_tokens, extra)
-        req, q = await run(ids, params, body)
+        req, q = await run(ids, params, body, embeds)
         rid, model = f"chatcmpl-{req.id[4:]}", config.model_name
         stops = stops_of(body)
 

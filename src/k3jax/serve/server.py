@@ -94,25 +94,51 @@ def build_server(model: str | object, *, host: str = "127.0.0.1", port: int = 80
                  default_max_tokens: int = 256, drain_timeout: float = 10.0, prefix_cache: bool = True,
                  prefix_cache_memory: int | None = None, prefix_cache_stride: int = 4,
                  prefix_cache_verify: bool = False, speculative: str | SpecConfig | None = None,
-                 speculative_adaptive: bool = True, draft_model=None,
+                 speculative_adaptive: bool = True, draft_model=None, vision: bool | None = None,
+                 image_dir: str | Path | None = None, allow_remote_images: bool = False,
                  say: Callable[[str], None] | None = None) -> Server:
     """Load ``model`` (a path or preset, as ``k3jax generate --model``; or a loaded :class:`K3ForCausalLM` with
     ``tokenizer``), build the scheduler, compile its steps (``say`` reports progress), start it and build the
     app. ``port`` 0 picks a free port. ``speculative``: ``ngram:K`` or ``draft:PATH:K`` (or a
     :class:`~k3jax.infer.speculative.SpecConfig`); ``speculative_adaptive=False`` speculates whenever there are
-    drafts (no fallback); ``draft_model`` a loaded draft instead of PATH."""
+    drafts (no fallback); ``draft_model`` a loaded draft instead of PATH. ``vision``: load the checkpoint's vision
+    tower so chat requests may carry images (default: when its config.json has a ``vision_config``; a loaded
+    :class:`~k3jax.vision.model.K3ForConditionalGeneration` always); ``image_dir``: local image paths allowed under
+    it; ``allow_remote_images``: fetch http(s) image URLs."""
     say = say or (lambda s: log.info(s))
     t0 = time.perf_counter()
+    media = None
     if isinstance(model, (str, Path)):
-        name = served_model_name or Path(str(model)).name
-        say(f"loading {model}")
-        model, tok, what = load_model(str(model), dtype=dtype)
+        path = Path(str(model))
+        name = served_model_name or path.name
+        if vision is None:
+            vision = _has_vision_config(path)
+        say(f"loading {model}{' with its vision tower' if vision else ''}")
+        model, tok, what = load_model(str(model), dtype=dtype, vision=bool(vision))
         tokenizer = tokenizer or tok
+        if vision:
+            from k3jax.vision.config import MediaConfig
+
+            media = MediaConfig.from_dir(path)
     else:
         name = served_model_name or "k3jax"
         what = "model object"
         if tokenizer is None:
             raise ValueError("tokenizer: required when a model object is passed")
+    service = None
+    from k3jax.vision.model import K3ForConditionalGeneration
+
+    if isinstance(model, K3ForConditionalGeneration):
+        from k3jax.infer.multimodal import check_pad_token
+        from k3jax.serve.images import ImagePolicy, VisionService
+        from k3jax.vision.config import MediaConfig
+
+        check_pad_token(model, tokenizer)
+        policy = ImagePolicy(image_dir=Path(image_dir) if image_dir is not None else None,
+                             allow_remote=allow_remote_images)
+        service = VisionService(model.encoder(), media or MediaConfig(), model.pad_id, policy)
+        model = model.language_model
+        say(f"vision: {model_vision_summary(service)}")
     spec = SpecConfig.parse(speculative) if isinstance(speculative, str) else speculative
     if spec is not None and not speculative_adaptive:
         spec = dataclasses.replace(spec, adaptive=False)
@@ -149,10 +175,30 @@ def build_server(model: str | object, *, host: str = "127.0.0.1", port: int = 80
     sched.start()
     app = create_app(sched, tokenizer, ServeConfig(model_name=name, max_model_len=sched.max_model_len,
                                                    default_max_tokens=default_max_tokens,
-                                                   drain_timeout=drain_timeout))
+                                                   drain_timeout=drain_timeout), vision=service)
     if port == 0:
         port = free_port(host)
     return Server(sched, tokenizer, app, host, port, name, shapes, time.perf_counter() - t0)
+
+
+def _has_vision_config(path: Path) -> bool:
+    import json
+
+    f = path / "config.json"
+    if not (path.is_dir() and f.exists() and any(path.glob("*.safetensors"))):
+        return False
+    try:
+        return bool(json.loads(f.read_text()).get("vision_config"))
+    except (json.JSONDecodeError, AttributeError):
+        return False
+
+
+def model_vision_summary(service) -> str:
+    c = service.encoder.cfg
+    p = service.policy
+    return (f"MoonViT {c.vt_num_hidden_layers} blocks × {c.vt_hidden_size}, patch buckets "
+            f"{list(service.encoder.buckets)} (compiled on first use); images from data: URLs"
+            f"{f', files under {p.image_dir}' if p.image_dir else ''}{', remote URLs' if p.allow_remote else ''}")
 
 
 __all__ = ["Server", "build_server", "free_port"]

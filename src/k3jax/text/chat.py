@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import re
 
-__all__ = ["ChatFormatError", "CHAT_MARKERS", "render_chat", "render_chat_text", "chat_tokenizer_problem",
+__all__ = ["ChatFormatError", "CHAT_MARKERS", "IMAGE_PLACEHOLDER", "render_chat", "render_chat_text", "chat_tokenizer_problem",
            "encode_chat", "AssistantMessage", "AssistantStreamParser", "parse_assistant"]
 
 
@@ -107,8 +107,13 @@ def _tools_list(tools, where: str) -> list:
     return tools
 
 
-def _content_text(content, where: str, *, allow_none: bool = True) -> str:
-    """A message's content: a string, ``None`` (empty) or a list of parts whose text is joined with nothing between."""
+IMAGE_PLACEHOLDER = "<|kimi_image_placeholder|>"      # plain text, not a vocabulary token (K3_CHAT §5)
+IMAGE_PART_TYPES = ("image", "image_url", "input_image")
+
+
+def _content_text(content, where: str, *, allow_none: bool = True, images: bool = False) -> str:
+    """A message's content: a string, ``None`` (empty) or a list of parts whose text is joined with nothing between;
+    with ``images`` an image part becomes :data:`IMAGE_PLACEHOLDER`."""
     if content is None and allow_none:
         return ""
     if isinstance(content, str):
@@ -127,8 +132,10 @@ def _content_text(content, where: str, *, allow_none: bool = True) -> str:
                 if not isinstance(text, str):
                     raise ChatFormatError(f"{where}[{j}].text: expected a string, got {type(text).__name__}")
                 texts.append(text)
-            elif kind in ("image", "image_url", "input_image"):
-                raise ChatFormatError(f"{where}[{j}]: images are not supported yet")
+            elif kind in IMAGE_PART_TYPES:
+                if not images:
+                    raise ChatFormatError(f"{where}[{j}]: images are accepted in user and system messages only")
+                texts.append(IMAGE_PLACEHOLDER)
             else:
                 raise ChatFormatError(f"{where}[{j}].type: expected 'text', got {kind!r}")
         return "".join(texts)
@@ -231,7 +238,7 @@ def _tool_run_order(run: list[int], messages: list, calls) -> tuple[list[int], b
 
 def render_chat(messages: list[dict], *, tools: list[dict] | None = None, thinking: bool = True,
                 thinking_effort: str | None = "max", tool_choice=None, response_format=None,
-                add_generation_prompt: bool = True) -> list[tuple[str, bool]]:
+                add_generation_prompt: bool = True, image_prompts: list[str] | None = None) -> list[tuple[str, bool]]:
     """Segments ``(text, allow_special)`` of the prompt for ``messages``, in order (empty segments dropped).
 
     ``allow_special`` segments are the markers (``<|open|>``, ``<|sep|>``, ``<|close|>``, ``<|end_of_msg|>``);
@@ -244,7 +251,9 @@ def render_chat(messages: list[dict], *, tools: list[dict] | None = None, thinki
     ``tool_call_id``\\ s all name that turn's calls is first put in call order. A system message carrying ``tools``
     renders its content (if any) and then a dynamic tool-declare message. ``tool_choice`` "required"/"none" and a
     ``response_format`` of ``json_object``/``json_schema`` add a system message after the conversation — their body
-    text is k3jax's wording (the format fixes only the message ``type``). Images raise :class:`ChatFormatError`.
+    text is k3jax's wording (the format fixes only the message ``type``). An image part (user and system messages)
+    renders :data:`IMAGE_PLACEHOLDER`; with ``image_prompts`` (one per image, in order) every placeholder —
+    a typed one too — becomes its image's prompt as one allow_special segment, and the counts must agree.
     Any unusable field raises :class:`ChatFormatError` naming it.
     """
     out: Segments = []
@@ -322,7 +331,7 @@ def render_chat(messages: list[dict], *, tools: list[dict] | None = None, thinki
             out.append((END, True))
             tool_count = 0
         else:  # user / system
-            body = _content_text(msg.get("content"), f"{where}.content")
+            body = _content_text(msg.get("content"), f"{where}.content", images=True)
             dynamic = msg.get("tools") if role == "system" else None
             if dynamic:
                 if body:
@@ -344,7 +353,26 @@ def render_chat(messages: list[dict], *, tools: list[dict] | None = None, thinki
     if add_generation_prompt:
         _open(out, "message", role="assistant")
         _open(out, "think" if thinking else "response")
+    if image_prompts is not None:
+        out = _splice_image_prompts(out, list(image_prompts))
     return [(t, s) for t, s in out if t]
+
+
+def _splice_image_prompts(out: Segments, prompts: list[str]) -> Segments:
+    found = sum(t.count(IMAGE_PLACEHOLDER) for t, _ in out)
+    if found != len(prompts):
+        raise ChatFormatError(f"image_prompts: {len(prompts)} image prompts for {found} image placeholders "
+                              f"({IMAGE_PLACEHOLDER} typed in a message counts too)")
+    res: Segments = []
+    k = 0
+    for text, special in out:
+        pieces = text.split(IMAGE_PLACEHOLDER)
+        for j, piece in enumerate(pieces):
+            if j:
+                res.append((prompts[k], True))
+                k += 1
+            res.append((piece, special))
+    return res
 
 
 def _response_format(out: Segments, rf) -> None:
