@@ -91,6 +91,10 @@ BENCHMARKS: dict[str, Bench] = {
                           "projections), MLA, AttnRes, router + balancing, routed/shared experts, optimizer (NS, "
                           "AdamW); bar chart", "step_profile", ("--plot", "benchmarks/step_profile.png"),
                           ("--preset", "tiny", "--reps", "1")),
+    "vision": Bench("vision", "vision tower + projector (release size): ms/image at 448²/896²/1792² vs the FLOP "
+                    "roofline; patch-bucket compiles and padding waste on a size mix; TTFT image+text vs text",
+                    "vision", ("--reps", "1"), ("--sizes", "224", "--layers", "2", "--reps", "1", "--text-preset",
+                                                "tiny", "--ttft-image", "224")),
     "load_rss": Bench("load_rss", "peak host RSS while loading a multi-shard MXFP4 checkpoint", "load_rss",
                       quick=("--hidden", "128", "--experts", "8", "--layers", "4", "--shard-size", "2MB")),
 }

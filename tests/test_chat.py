@@ -359,3 +359,17 @@ def test_garbage_tools_block_becomes_content():
                           '<|sep|>{"a": 1e2}<|close|>json<|sep|><|close|>call<|sep|><|close|>tools<|sep|>',
                           thinking=False)
     assert raw.content == "" and raw.tool_calls[0]["function"] == {"name": "f", "arguments": '{"a": 1e2}'}
+
+
+def test_image_parts_render_the_spec_example():
+    """K3_VISION_SPEC §9: an image part becomes its prompt (one <|media_pad|>) as an allow_special segment."""
+    msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:..."}},
+                                         {"type": "text", "text": "What is this?"}]}]
+    prompt = "<|media_begin|>image 640x480<|media_content|><|media_pad|><|media_end|>"
+    segs = render_chat(msgs, thinking_effort=None, image_prompts=[prompt])
+    assert "".join(t for t, _ in segs) == (
+        '<|open|>message role="user"<|sep|><|media_begin|>image 640x480<|media_content|><|media_pad|><|media_end|>'
+        'What is this?<|close|>message<|sep|><|end_of_msg|><|open|>message role="assistant"<|sep|><|open|>think<|sep|>')
+    assert (prompt, True) in segs and ("What is this?", False) in segs
+    # without prompts the placeholder is plain text (not a vocabulary token, K3_CHAT §5)
+    assert ("<|kimi_image_placeholder|>What is this?", False) in render_chat(msgs, thinking_effort=None)

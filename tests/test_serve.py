@@ -463,3 +463,94 @@ def test_incremental_detokenizer_and_stop_strings_equal_whole_text(tmp_path):
         if st.hit:
             break
     assert st.hit and sent == "héllo 中文 ✓ "
+
+
+# ------------------------------------------------------------------------------------------------------ images
+@pytest.fixture(scope="module")
+def seeing(served, tmp_path_factory):
+    """A third app over the same scheduler with a random tiny vision tower (spec §11 sizes) in front of it."""
+    from k3jax.nn.layers import KeyGen
+    from k3jax.serve.images import ImagePolicy, VisionService
+    from k3jax.vision import MediaConfig, VisionConfig, VisionEncoder
+    from k3jax.vision.tower import Projector, VisionTower
+    from make_vision_fixture import TINY_VISION_CONFIG
+
+    import jax
+
+    vc = VisionConfig.from_dict(dict(TINY_VISION_CONFIG, text_hidden_size=served.cfg.hidden_size))
+    keys = KeyGen(jax.random.key(5))
+    enc = VisionEncoder(VisionTower(vc, keys=keys), Projector(vc, keys=keys))
+    d = tmp_path_factory.mktemp("images")
+    service = VisionService(enc, MediaConfig(), CHAT_IDS["<|media_pad|>"], ImagePolicy(image_dir=d))
+    app = create_app(served.srv.scheduler, served.tok, ServeConfig(model_name="k3-test", max_model_len=MAX_LEN,
+                                                                    own_scheduler=False), vision=service)
+    srv = Server(served.srv.scheduler, None, app, "127.0.0.1", free_port(), "k3-test").start_background()
+    yield types.SimpleNamespace(url=srv.url, service=service, dir=d,
+                                client=openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0,
+                                                     timeout=60))
+    srv.stop()
+
+
+def _png(w, h, seed) -> bytes:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def _data_url(raw: bytes, mime="image/png") -> str:
+    import base64
+
+    return f"data:{mime};base64," + base64.b64encode(raw).decode()
+
+
+def test_chat_with_a_data_url_image_matches_offline(served, seeing):
+    from k3jax.infer.engine import Engine
+    from k3jax.vision import process_image, splice_prompt
+
+    raw = _png(70, 56, 1)
+    (seeing.dir / "cat.png").write_bytes(raw)
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _data_url(raw)}},
+                                             {"type": "text", "text": "What is this?"}]}]
+    r = seeing.client.chat.completions.create(model="k3-test", messages=messages, max_tokens=6, temperature=0,
+                                              reasoning_effort="none", extra_body={"return_token_ids": True})
+    img = process_image(raw)
+    ids = encode_chat(served.tok, [{"role": "user", "content": [{"type": "image"}, "What is this?"]}],
+                      thinking=False, image_prompts=[img.prompt()])
+    assert img.prompt() == "<|media_begin|>image 70x56<|media_content|><|media_pad|><|media_end|>"
+    mp = splice_prompt(ids, seeing.service.encoder.encode([img]), CHAT_IDS["<|media_pad|>"], [img.digest])
+    want = Engine(served.model, chunk=64).generate([mp.ids], 6, embeds=[mp], stop_tokens=[EOM]).tokens[0]
+    ch = r.choices[0]
+    assert ch.prompt_token_ids == mp.ids and ch.token_ids == want and r.usage.prompt_tokens == len(mp.ids)
+    # a local file under the server's --image-dir is the same image
+    local = dict(messages[0], content=[{"type": "image_url", "image_url": {"url": "cat.png"}}, "What is this?"])
+    r2 = seeing.client.chat.completions.create(model="k3-test", messages=[local], max_tokens=6, temperature=0,
+                                               reasoning_effort="none", extra_body={"return_token_ids": True})
+    assert r2.choices[0].token_ids == want
+
+
+@pytest.mark.parametrize("url,fragment", [
+    ("data:image/png;base64,!!!", "invalid base64"),
+    (_data_url(b"GIF89a nonsense"), "not a decodable image"),
+    ("data:image/png;base64,", "empty image"),
+    ("https://example.com/cat.png", "remote image URLs are not fetched"),
+    ("/etc/passwd", "outside the server's image directory"),
+    ("missing.png", "no such image file"),
+])
+def test_bad_images_are_400_naming_the_content_part(seeing, url, fragment):
+    body = {"model": "k3-test", "max_tokens": 2, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": url}}]}]}
+    r = httpx.post(seeing.url + "/v1/chat/completions", json=body, timeout=30)
+    err = r.json()["error"]
+    assert r.status_code == 400 and fragment in err["message"], err
+    assert err["message"].startswith("messages[0].content[1]") and err["param"].startswith("messages[0].content[1]")
+
+
+def test_images_on_a_server_without_a_vision_tower_are_400(served):
+    body = {"model": "k3-test", "max_tokens": 2, "messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": _data_url(_png(28, 28, 0))}}]}]}
+    r = httpx.post(served.url + "/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400 and "no vision tower" in r.json()["error"]["message"]

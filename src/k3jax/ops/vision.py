@@ -100,7 +100,7 @@ def packed_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, segment
 
 
 def packed_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
-                     block: int = 1024) -> jax.Array:
+                     block: int = 512) -> jax.Array:
     """:func:`packed_attention_reference` with the queries in blocks of ``block`` rows (``lax.map``), so the
     score buffer is ``[n, block, L]`` instead of ``[n, L, L]``; the block-diagonal mask keeps every image (and the
     padding, its own segment) to itself. Matmuls in the input dtype with fp32 accumulation, softmax in fp32."""

@@ -416,7 +416,6 @@ def create_app(sched: Scheduler, tokenizer, config: ServeConfig, vision=None):
         return StreamingResponse(stream(), media_type="text/event-stream")
 
     # ------------------------------------------------------------------------------------------------- chat
-    @app.post("/v1/chat/completions")
     async def chat_images(messages) -> list:
         """The request's images, processed (in order); 400 naming the content part when one is unusable."""
         from k3jax.serve.images import image_parts, load_request_images
@@ -433,6 +432,7 @@ def create_app(sched: Scheduler, tokenizer, config: ServeConfig, vision=None):
         except ImageError as e:
             raise APIError(400, str(e), str(e).split(":", 1)[0]) from None
 
+    @app.post("/v1/chat/completions")
     async def chat(request: Request):
         body = _parse(ChatBody, await request.body())
         if chat_problem is not None:

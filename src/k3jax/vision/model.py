@@ -119,7 +119,7 @@ class VisionEncoder:
     ``buckets`` (:func:`~k3jax.vision.packing.plan_packing`); one jitted program per bucket (``compiles``)."""
 
     def __init__(self, tower: VisionTower, projector: Projector, *, buckets: Sequence[int] = DEFAULT_BUCKETS,
-                 attn_block: int = 1024):
+                 attn_block: int = 512):
         self.cfg = tower.config
         self.buckets = tuple(sorted(int(b) for b in buckets))
         if any(b % 4 for b in self.buckets):
@@ -137,13 +137,17 @@ class VisionEncoder:
         merged = stack.vision_tower(packed, attn_block=self.attn_block)
         return merged, stack.mm_projector(merged)
 
-    def run_bucket(self, images: Sequence[ProcessedImage], packing: Packing):
-        """One tower call: ``(merged [L/4, 4, D], features [L/4, T])`` device arrays (padding slots included)."""
+    def pack(self, images: Sequence[ProcessedImage], packing: Packing):
+        """The device inputs of one tower call (:class:`~k3jax.vision.packing.PackedPatches` of arrays)."""
         grids = {i: im.grid for i, im in zip(packing.images, images)}       # indexed like packing.images
         packed = pack([im.pixel_values for im in images], grids, packing,
                       pos_grid=(self.cfg.init_pos_emb_height, self.cfg.init_pos_emb_width),
                       frames=self.cfg.init_pos_emb_time)
-        return self._run(self.state, jax.tree.map(jnp.asarray, packed))
+        return jax.tree.map(jnp.asarray, packed)
+
+    def run_bucket(self, images: Sequence[ProcessedImage], packing: Packing):
+        """One tower call: ``(merged [L/4, 4, D], features [L/4, T])`` device arrays (padding slots included)."""
+        return self._run(self.state, self.pack(images, packing))
 
     def encode(self, images: Sequence[ProcessedImage], *, merged: bool = False) -> list[np.ndarray]:
         """Feature rows per image (``merged=True``: the tower's merged ``[Nᵢ, 4, D]`` instead)."""

@@ -84,7 +84,7 @@ class VisionTower(nnx.Module):
         self.patch_embed = PatchEmbed(cfg, dt, keys)
         self.encoder = VisionEncoderStack(cfg, dt, keys)
 
-    def __call__(self, p: PackedPatches, *, attn_block: int = 1024) -> jax.Array:
+    def __call__(self, p: PackedPatches, *, attn_block: int = 512) -> jax.Array:
         x = self.patch_embed(p)
         for blk in self.encoder.blocks:
             x = blk(x, p, attn_block)
