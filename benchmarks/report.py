@@ -457,6 +457,30 @@ def t_step_profile(r: dict) -> str:
     return out
 
 
+def t_vision(r: dict) -> str:
+    out = (f"MoonViT-V2 tower ({r.get('vision_layers')} blocks, release widths, fp32) + patchmergerv2 projector, one "
+           "image per call in its bucket; FLOPs counted on the bucket's rows (dense attention over the bucket).\n\n")
+    rows = [[x.get("size"), num(x.get("patches")), num(x.get("bucket")), num(x.get("tokens")),
+             num(x.get("ms_per_image"), ",.0f"), num(x.get("images_per_s"), ",.3f"),
+             num((x.get("flops") or 0) / 1e12, ",.2f"), pct(x.get("mfu")), num(x.get("compile_seconds"), ",.1f")]
+            for x in r.get("rows", [])]
+    out += table(["image", "patches", "bucket", "tokens", "ms / image", "images / s", "TFLOP", "MFU", "compile s"],
+                 rows)
+    bp = r.get("bucket_policy") or {}
+    out += (f"\n\nBucket policy on a mix of {bp.get('images')} images (mean {num(bp.get('mean_patches'))} patches "
+            "after the size rule):\n\n")
+    out += table(["policy", "buckets compiled", "padding (rows)", "padding (attention FLOPs)"],
+                 [[k, v.get("compiles"), pct(v.get("row_waste")), pct(v.get("attention_flop_waste"))]
+                  for k, v in (bp.get("policies") or {}).items()])
+    t = r.get("ttft") or {}
+    if t:
+        out += (f"\n\nTime to first token ({t.get('text_preset')} text model, {t.get('text_tokens')} text tokens, "
+                f"warm): text alone {num(t.get('text_only_seconds'), ',.2f')} s; with one {t.get('image')} image "
+                f"(+{t.get('image_tokens')} tokens) {num(t.get('image_plus_text_seconds'), ',.2f')} s "
+                f"({num(t.get('ratio'), ',.1f')}×; the tower alone {num(t.get('vision_seconds'), ',.2f')} s).")
+    return out
+
+
 def t_generic(r: dict) -> str:
     rows = [[k, num(v, ",.4g") if isinstance(v, float) else v] for k, v in r.items()
             if isinstance(v, (int, float, str, bool)) and k not in META]
@@ -468,7 +492,7 @@ FORMATTERS: dict[str, Callable[[dict], str]] = {
     "inference.decode": t_decode, "inference.cache": t_cache, "inference.vs-transformers": t_vs_transformers,
     "inference.prefill": t_prefill, "serve": t_serve, "prefix_cache": t_prefix_cache, "speculative": t_speculative,
     "context_parallel": t_context_parallel, "moonep": t_moonep, "balance": t_balance, "load_rss": t_load_rss,
-    "step_profile": t_step_profile}
+    "step_profile": t_step_profile, "vision": t_vision}
 META = {"command", "module_command", "wall_seconds", "recorded", "quick", "roofline", "benchmark"}
 
 

@@ -13,8 +13,8 @@ patch embedding 2L·3p²·D and the projector 2(L/4)(16D² + 4D·T); MFU = FLOPs
 ``--max-patches`` adds the release's largest image (65 536 patches, 16 384 tokens; about 25× the 1792² FLOPs).
 
 Bucket policy: the image sizes of a realistic mix (phone photos, screenshots, scans, thumbnails; listed in
-``SIZE_MIX``) through the processor's size rule, alone and packed four at a time, under the default powers-of-two
-buckets and a finer √2 ladder: buckets compiled and the fraction of computed rows that are padding (row waste)
+``SIZE_MIX``) through the processor's size rule, alone and packed four at a time, under the default √2 ladder of
+buckets and plain powers of two: buckets compiled and the fraction of computed rows that are padding (row waste)
 and of attention FLOPs (L² waste).
 """
 
@@ -35,7 +35,7 @@ from flax import nnx
 from benchmarks.roofline import machine
 from k3jax.nn.layers import KeyGen
 from k3jax.vision import MediaConfig, VisionConfig, VisionEncoder, process_image, target_size
-from k3jax.vision.packing import DEFAULT_BUCKETS, bucket_for, plan_packing
+from k3jax.vision.packing import DEFAULT_BUCKETS, POWER_OF_TWO_BUCKETS, plan_packing
 from k3jax.vision.tower import Projector, VisionTower
 
 K3_VISION = dict(patch_size=14, vt_hidden_size=1024, qkv_hidden_size=1536, vt_num_attention_heads=12,
@@ -51,7 +51,6 @@ SIZE_MIX = [(4032, 3024, 6), (3024, 4032, 6), (1920, 1080, 8), (1280, 720, 6), (
             (1080, 1920, 4), (800, 600, 4), (1024, 768, 4), (640, 480, 6), (512, 512, 4), (224, 224, 2),
             (2480, 3508, 3), (1700, 2200, 3), (300, 200, 4), (1600, 900, 4), (3840, 2160, 2), (750, 1334, 4),
             (96, 96, 2), (1200, 628, 4)]
-SQRT2_BUCKETS = tuple(sorted({int(round(256 * 2 ** (k / 2) / 64)) * 64 for k in range(0, 17)} | {69632}))
 
 
 def tower_flops(cfg: VisionConfig, L: int) -> float:
@@ -106,7 +105,7 @@ def bucket_policy() -> dict:
     order = rng.permutation(len(grids))
     grids = [grids[i] for i in order]
     out = {"images": len(grids), "mean_patches": float(np.mean([g[1] * g[2] for g in grids])), "policies": {}}
-    for name, buckets in [("powers_of_two", DEFAULT_BUCKETS), ("sqrt2", SQRT2_BUCKETS)]:
+    for name, buckets in [("powers_of_two", POWER_OF_TWO_BUCKETS), ("sqrt2", DEFAULT_BUCKETS)]:
         for mode, group in [("alone", 1), ("packed_4", 4)]:
             real = comp = real_sq = comp_sq = 0
             used = set()

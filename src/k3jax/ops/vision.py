@@ -101,23 +101,29 @@ def packed_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, segment
 
 def packed_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
                      block: int = 512) -> jax.Array:
-    """:func:`packed_attention_reference` with the queries in blocks of ``block`` rows (``lax.map``), so the
-    score buffer is ``[n, block, L]`` instead of ``[n, L, L]``; the block-diagonal mask keeps every image (and the
-    padding, its own segment) to itself. Matmuls in the input dtype with fp32 accumulation, softmax in fp32."""
+    """:func:`packed_attention_reference` with the queries in blocks of ``block`` rows (``lax.map``; the last block
+    padded), so the score buffer is ``[n, block, L]`` instead of ``[n, L, L]``; the block-diagonal mask keeps every
+    image (and the padding, its own segment) to itself. Matmuls in the input dtype with fp32 accumulation, softmax
+    in fp32."""
     L, n, d = q.shape
-    if L <= block or L % block:
+    if L <= block:
         return _attend(q, k, v, segment_ids, segment_ids)
-    qb = q.reshape(L // block, block, n, d)
-    sb = segment_ids.reshape(L // block, block)
-    out = jax.lax.map(lambda a: _attend(a[0], k, v, a[1], segment_ids), (qb, sb))
-    return out.reshape(L, n, d)
+    nb = -(-L // block)
+    pad = nb * block - L
+    qp = jnp.pad(q, ((0, pad), (0, 0), (0, 0)))
+    sp = jnp.pad(segment_ids, (0, pad), constant_values=-1)
+    out = jax.lax.map(lambda a: _attend(a[0], k, v, a[1], segment_ids),
+                      (qp.reshape(nb, block, n, d), sp.reshape(nb, block)))
+    return out.reshape(nb * block, n, d)[:L]
 
 
 def _attend(q, k, v, q_seg, k_seg):
     d = q.shape[-1]
     f = acc_dtype(q)
     s = jnp.einsum("qhd,khd->hqk", q, k, preferred_element_type=f) / math.sqrt(d)
-    s = jnp.where((q_seg[:, None] == k_seg[None, :])[None], s, -jnp.inf)
+    # a finite floor: a padded query row with no key of its segment stays finite (and is sliced off); for every
+    # real row (it always sees itself) exp(floor − max) is exactly 0, as with −∞
+    s = jnp.where((q_seg[:, None] == k_seg[None, :])[None], s, jnp.finfo(f).min / 2)
     p = jax.nn.softmax(s, axis=-1)
     return jnp.einsum("hqk,khd->qhd", p.astype(v.dtype), v, preferred_element_type=f).astype(q.dtype)
 
