@@ -161,7 +161,7 @@ def small_train_config(out, **kw):
 # tests that share one compiled training step: test_balance's and test_train's; see there)
 _KEEP_TOGETHER = {"test_cache", "test_checkpoints", "test_infer", "test_kda", "test_layers", "test_loader",
                   "test_model", "test_moonep", "test_paged_cache", "test_prefix_cache", "test_serve", "test_fla_kda",
-                  "test_speculative",
+                  "test_speculative", "test_vision",
                   "test_transformers_kimi_linear"}
 
 # The longest units of work (an xdist group, or one test) first, in this order (about that many seconds each on
@@ -175,12 +175,13 @@ _LONGEST_FIRST = [
     "tests/test_cli.py::test_demo_trains_and_beats_unigram",               # 150 s
     "test_speculative",                                                    # 140 s: two schedulers, one a draft's
     "test_kda",                                                            # 115 s
-    "test_serve",                                                          # 90 s
+    "test_serve",                                                          # 120 s
     "test_infer",                                                          # 85 s
     "train_step",                                                          # 70 s: one compile, then cache reads
     "test_checkpoints",                                                    # 65 s
     "test_transformers_kimi_linear",                                       # 60 s
-    "test_prefix_cache",                                                   # 55 s: one scheduler, verify on
+    "test_prefix_cache",                                                   # 65 s: one scheduler, verify on
+    "test_vision",                                                         # 50 s: a multimodal checkpoint
     "test_model",                                                          # 35 s
     "test_cache",                                                          # 30 s
     "test_moonep",                                                         # 25 s: the hypothesis test most of it

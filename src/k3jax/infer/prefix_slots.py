@@ -125,8 +125,9 @@ class PrefixCaching:
         ids[:hit] = req.sequence[:hit]
         ref = init_cache(self.cfg, 1, self.max_model_len)
         for s in range(0, hit, C):
-            logits, ref = self._reference_chunk(self.state, ref, _dev(ids[None, s:s + C]),
-                                                _i32(min(C, hit - s)), self._chunk_embeds(req, s, C))
+            embeds = self._chunk_embeds(req, s, C)
+            logits, ref = self._reference_chunk(self.state, ref, _dev(ids[None, s:s + C]), _i32(min(C, hit - s)),
+                                                *(() if embeds is None else (embeds,)))
         pairs = [("logits", logits, node.checkpoint.logits)]
         got = iter(self._save_rows(self.cache, _i32(req.slot)))
         pages = _dev(np.array(req.pages[:-(-hit // self.page_size)], np.int32))

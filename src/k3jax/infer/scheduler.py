@@ -533,9 +533,10 @@ class Scheduler(PrefixCaching, SpeculativeDecoding):
         ids = np.zeros((1, C), np.int32)
         ids[0, :n] = req.sequence[req.computed:req.computed + n]
         self.lengths[req.slot] = req.computed
+        embeds = self._chunk_embeds(req, req.computed, C)
         tok, last, self.cache = self._prefill(self.state, self.cache, _dev(self.table), _dev(self.lengths),
-                                              _i32(req.slot), _dev(ids), _i32(n),
-                                              self._samp_arrays([req]), self._chunk_embeds(req, req.computed, C))
+                                              _i32(req.slot), _dev(ids), _i32(n), self._samp_arrays([req]),
+                                              *(() if embeds is None else (embeds,)))   # None would retrace
         req.computed += n
         if self.prefix is not None and req.use_prefix_cache:
             self._register(req, last if req.computed in req.save_at else None)
