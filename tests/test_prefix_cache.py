@@ -315,7 +315,7 @@ def test_server_reports_cached_tokens_and_prefix_metrics(sched, tmp_path):
 def test_image_content_is_in_the_key(sched):
     """Images (K3_VISION_SPEC): the same image in the same place hits — verified against a from-scratch prefill with
     the image rows spliced in — and gives the same tokens; another image behind the same ids misses. A random tiny
-    vision tower (spec §11 sizes) in front of this module's scheduler; the prompt's one 640×480 image is 414 tokens."""
+    vision tower (spec §11 sizes) in front of this module's scheduler; the prompt's one 112×70 image is 12 tokens."""
     import jax
 
     from k3jax.nn.layers import KeyGen
@@ -327,10 +327,11 @@ def test_image_content_is_in_the_key(sched):
     keys = KeyGen(jax.random.key(2))
     enc = VisionEncoder(VisionTower(vc, keys=keys), Projector(vc, keys=keys))
     pad = 277                                                        # <|media_pad|> of the release-layout fixture
-    ids = tokens(80, 30) + [pad] + tokens(81, 120)
-    pics = [process_image(np.random.default_rng(s).integers(0, 256, (480, 640, 3), dtype=np.uint8)) for s in (1, 2)]
+    ids = [t if t != pad else pad + 1 for t in tokens(80, 30)] + [pad] + \
+        [t if t != pad else pad + 1 for t in tokens(81, 520)]
+    pics = [process_image(np.random.default_rng(s).integers(0, 256, (70, 112, 3), dtype=np.uint8)) for s in (1, 2)]
     a, b = (splice_prompt(ids, enc.encode([p]), pad, [p.digest]) for p in pics)
-    assert a.ids == b.ids and len(a.ids) == len(ids) + 413 > BLOCK
+    assert a.ids == b.ids and len(a.ids) == len(ids) + 11 > BLOCK
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     failures = sched.prefix.stats["verify_failures"]
     r1 = sched.submit(None, params, embeds=a)
