@@ -22,8 +22,10 @@ from safetensors.numpy import load_file, save_file
 
 try:
     from make_k3_fixture import write_random_k3_checkpoint
+    from reference_vision_numpy import K3_MEDIA_CFG_DEFAULT
 except ImportError:  # imported as tests.make_vision_fixture
     from .make_k3_fixture import write_random_k3_checkpoint
+    from .reference_vision_numpy import K3_MEDIA_CFG_DEFAULT
 
 __all__ = ["write_random_multimodal_checkpoint", "TINY_VISION_CONFIG", "K3_MEDIA_CFG", "VISION_CONFIG_FIELDS",
            "MEDIA_PLACEHOLDER_TOKEN_ID"]
@@ -67,26 +69,8 @@ TINY_VISION_CONFIG = {
     "_attn_implementation": "eager",
 }
 
-K3_MEDIA_CFG = {
-    "patch_size": 14,
-    "merge_kernel_size": 2,
-    "in_patch_limit": 65536,
-    "patch_limit_on_one_side": 512,
-    "image_mean": [0.5, 0.5, 0.5],
-    "image_std": [0.5, 0.5, 0.5],
-    "fixed_output_tokens": None,
-    "transparent_bg_config": {
-        "pattern": "chessboard",
-        "chessboard_square_size": 8,
-        "chessboard_square_on_top_left": True,
-        "chessboard_white_value": 255,
-        "chessboard_gray_value": 180,
-    },
-    "transparent_bg_fill_stage": "after_resize",
-    "in_patch_limit_each_frame": 16384,
-    "sample_fps": 8.0,
-    "temporal_merge_kernel_size": 4,
-}
+# spec §1.2, the one copy the reference keeps (the checkpoint's preprocessor_config.json, read by both sides)
+K3_MEDIA_CFG = copy.deepcopy(K3_MEDIA_CFG_DEFAULT)
 
 
 def _merge_pair(v):
