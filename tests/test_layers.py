@@ -13,7 +13,7 @@ from k3jax.nn.moe import MoE, activation
 from k3jax.ops.attnres import attnres_mix
 from k3jax.ops.grouped import GROUPED_STRATEGIES, choose_tile, grouped_matmul, moe_grouped, moe_per_token, tile_count
 from k3jax.ops.routing import router_topk
-from k3jax.ops.situ import situ_glu
+from k3jax.ops.situ import situ_glu, situ_glu_reference
 
 any_float = st.floats(allow_nan=False, allow_infinity=True, width=32)
 moderate = st.floats(min_value=-8.0, max_value=8.0, width=32)
@@ -44,6 +44,26 @@ def test_situ_closed_form_and_gate_minimum():
     # β = None means 1 and β_lin = None leaves the up branch uncapped
     np.testing.assert_allclose(situ_glu(jnp.asarray(a), jnp.asarray(u), None, None),
                                np.tanh(a) / (1 + np.exp(-a)) * u, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("betas", [(4.0, 25.0), (None, None), (4.0, None)])
+def test_situ_hand_written_backward_matches_autodiff(rng, betas):
+    """The custom VJP against JAX's autodiff of the reference formula, over the saturating range too."""
+    a = jnp.asarray(rng.normal(size=(64, 48)) * 12, jnp.float32)
+    u = jnp.asarray(rng.normal(size=(64, 48)) * 60, jnp.float32)
+    g = jnp.asarray(rng.normal(size=(64, 48)), jnp.float32)
+    got = jax.vjp(lambda a, u: situ_glu(a, u, *betas), a, u)[1](g)
+    want = jax.vjp(lambda a, u: situ_glu_reference(a, u, *betas), a, u)[1](g)
+    for x, y in zip(got, want):
+        np.testing.assert_allclose(x, y, rtol=2e-5, atol=2e-5 * float(jnp.max(jnp.abs(y))))
+    # bf16 inputs: fp32 inside, gradients in the inputs' dtype, as autodiff returns them
+    ab, ub, gb = (x.astype(jnp.bfloat16) for x in (a, u, g))
+    got = jax.vjp(lambda a, u: situ_glu(a, u, *betas), ab, ub)[1](gb)
+    want = jax.vjp(lambda a, u: situ_glu_reference(a, u, *betas), ab, ub)[1](gb)
+    for x, y in zip(got, want):
+        assert x.dtype == jnp.bfloat16
+        np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), rtol=2e-2,
+                                   atol=2e-2 * float(jnp.max(jnp.abs(y.astype(jnp.float32)))))
 
 
 def test_bias_changes_selection_but_not_weights(rng):
