@@ -8,10 +8,13 @@ Zipf 1.0 / 1.5 over experts, hot rank — a third of the mass on rank 0's expert
 per rank, MoE forward+backward step time (median of ``--reps`` after warm-up), drop rate, planner fills and
 fetched redundant experts. Planner-only at R=64: jitted time per plan and the largest number of redundant experts
 on one rank; fetches compared with a chain that always takes from the most overloaded donor (the reference's rule).
-The exchange on CPU is an emulation (see ``k3jax.parallel.ep``): the default ``gather`` exchange (one all_gather of
-the send rows; row ``moonep``) and the older ``dense`` box all_to_all (row ``moonep_dense_exchange``) both receive
-R·S·K rows transiently; the MoonEP buffer reported is what the plan and the grouped matmul use (= a ragged
-exchange's buffer on GPU/TPU). ``moonep_over_capacity``: MoonEP's step over the capacity-1.25 step.
+The exchange on CPU (see ``k3jax.parallel.ep``): row ``moonep`` uses the default ``two_hop`` exchange (two static
+all_to_all through an intermediate rank, ≈ 2·S·K rows per rank, and the redundant-weight fetch the same way);
+``moonep_gather_exchange`` the previous default (one all_gather of the send rows and of every home's expert
+weights) and ``moonep_dense_exchange`` the box all_to_all — both receive R·S·K rows transiently. The MoonEP buffer
+reported is what the plan and the grouped matmul use (= a ragged exchange's buffer on GPU/TPU).
+``moonep_over_capacity``: MoonEP's step over the capacity-1.25 step; ``overflow`` (rows a two-hop chunk could not
+carry) must be 0.
 """
 
 from __future__ import annotations
@@ -78,12 +81,13 @@ def main(argv: list[str] | None = None) -> dict:
     ws = [jnp.asarray(rng.normal(size=s) / 8, jnp.float32) for s in [(E, D, I), (E, D, I), (E, I, D)]]
     res = {"benchmark": "moonep", "machine": platform.machine(), "jax": jax.__version__,
            "backend": jax.default_backend(), "devices": R, "setup": {"S": a.S, "E": E, "K": K, "D": D, "I": I,
-                                                                    "dtype": "float32", "exchange": "gather (CPU default) and dense"},
+                                                                    "dtype": "float32", "exchange": "two_hop (CPU default), gather, dense"},
            "routings": []}
     for kind in a.routings:
         idx = jnp.asarray(routing(kind, N, E, K, R, rng))
         row = {"routing": kind, "methods": {}}
-        for label, method, exchange in [("moonep", "moonep", "auto"), ("moonep_dense_exchange", "moonep", "dense"),
+        for label, method, exchange in [("moonep", "moonep", "auto"), ("moonep_gather_exchange", "moonep", "gather"),
+                                        ("moonep_dense_exchange", "moonep", "dense"),
                                         ("dropless", "dropless", "auto"), ("capacity", "capacity", "auto")]:
             def loss(z, w, w1, w3, w2):
                 y, st = moe_expert_parallel(z, idx, w, w1, w3, w2, act, mesh=mesh, method=method, with_stats=True,
@@ -103,18 +107,23 @@ def main(argv: list[str] | None = None) -> dict:
                                       "step_ms": 1e3 * statistics.median(times),
                                       "drop_rate": float(np.asarray(st["dropped"]).sum()) / (N * K),
                                       "fills": int(np.asarray(st["fills"])[0]),
-                                      "fetched_experts": int(np.asarray(st["fetched_experts"])[0])}
+                                      "fetched_experts": int(np.asarray(st["fetched_experts"])[0]),
+                                      "overflow": int(np.asarray(st["overflow"]).sum())}
         mo, dl = row["methods"]["moonep"], row["methods"]["dropless"]
         row["buffer_ratio_dropless_over_moonep"] = dl["recv_rows_per_rank"] / mo["recv_rows_per_rank"]
         row["speedup_vs_dropless"] = dl["step_ms"] / mo["step_ms"]
         row["moonep_over_capacity"] = mo["step_ms"] / row["methods"]["capacity"]["step_ms"]
-        row["dense_over_gather_exchange"] = row["methods"]["moonep_dense_exchange"]["step_ms"] / mo["step_ms"]
+        row["gather_over_two_hop_exchange"] = row["methods"]["moonep_gather_exchange"]["step_ms"] / mo["step_ms"]
+        row["dense_over_two_hop_exchange"] = row["methods"]["moonep_dense_exchange"]["step_ms"] / mo["step_ms"]
+        if mo["overflow"]:
+            raise RuntimeError(f"{kind}: the two-hop exchange dropped {mo['overflow']} rows (a chunk bound failed)")
         res["routings"].append(row)
         print(f"{kind:>9}: MoonEP {mo['step_ms']:.1f} ms ({mo['recv_rows_per_rank']} rows, {mo['fetched_experts']} "
               f"fetched), dropless {dl['step_ms']:.1f} ms ({dl['recv_rows_per_rank']} rows) → "
               f"{row['speedup_vs_dropless']:.2f}×; capacity 1.25 {row['methods']['capacity']['step_ms']:.1f} ms, "
               f"drops {row['methods']['capacity']['drop_rate']:.1%} (MoonEP/capacity {row['moonep_over_capacity']:.2f}×; "
-              f"dense exchange {row['methods']['moonep_dense_exchange']['step_ms']:.1f} ms)", flush=True)
+              f"gather exchange {row['methods']['moonep_gather_exchange']['step_ms']:.1f} ms, "
+              f"dense {row['methods']['moonep_dense_exchange']['step_ms']:.1f} ms)", flush=True)
     # planner only, R = 64
     plans = []
     f = jax.jit(plan)

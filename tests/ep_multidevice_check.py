@@ -77,8 +77,65 @@ def main():
                                  "grad_rel": max(rel(a, b) for a, b in zip(g, ref_g)),
                                  "recv_rows": np.asarray(st["recv_rows"]).tolist(),
                                  "fetched": np.asarray(st["fetched_experts"]).tolist(),
-                                 "fills": np.asarray(st["fills"]).tolist()})
+                                 "fills": np.asarray(st["fills"]).tolist(),
+                                 "overflow": np.asarray(st["overflow"]).tolist()})
+    out["two_hop"] = two_hop_cases(rng)
     print(json.dumps(out))
+
+
+def two_hop_cases(rng):
+    """The two-hop exchange (values, its transpose, gradients) against a numpy ragged exchange built from T alone,
+    for count matrices that stress its chunk bounds; and the overflow count when a bound is violated on purpose."""
+    from functools import partial
+
+    from jax.sharding import PartitionSpec as P
+
+    from k3jax.parallel.exchange import two_hop_exchange, two_hop_return, two_hop_route
+
+    R, M_in, M_out = 8, 37, 41
+    mesh = jax.make_mesh((R,), ("x",), axis_types=(AxisType.Auto,))
+    Ts = {"random": None, "all_to_one": np.zeros((R, R), int), "one_to_all": np.zeros((R, R), int),
+          "single_source": np.zeros((R, R), int), "empty": np.zeros((R, R), int)}
+    Ts["all_to_one"][:, 3] = 5                                  # 40 rows into one rank
+    Ts["one_to_all"][2, :] = [5, 4, 4, 4, 5, 5, 5, 5]           # one source fills 37 rows
+    Ts["single_source"][np.arange(R), (np.arange(R) + 3) % R] = M_in    # each destination filled by one source
+    while Ts["random"] is None or (Ts["random"].sum(1) > M_in).any() or (Ts["random"].sum(0) > M_out).any():
+        Ts["random"] = rng.integers(0, 12, size=(R, R))
+    cases = {}
+    fns = {}
+
+    def run(T, c2):
+        if c2 not in fns:                       # T is an argument: one compile per chunk size serves every case
+            def body(T, x, c):
+                rt = two_hop_route(T, jax.lax.axis_index("x"), M_in, M_out, c2)
+                y, vjp = jax.vjp(lambda x: two_hop_exchange(x, rt, "x", R), x[0])
+                back = two_hop_return(c[0], rt, "x", R, M_in)
+                return y[None], vjp(c[0])[0][None], back[None], rt.overflow[None]
+
+            fns[c2] = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("x"), P("x")),
+                                            out_specs=(P("x"),) * 4, check_vma=False))
+        f = partial(fns[c2], jnp.asarray(T, jnp.int32))
+        x = rng.normal(size=(R, M_in, 2)).astype(np.float32)
+        c = rng.normal(size=(R, M_out, 2)).astype(np.float32)
+        y, g, back, ov = (np.asarray(a) for a in f(jnp.asarray(x), jnp.asarray(c)))
+        exp_y, exp_g = np.zeros_like(c), np.zeros_like(x)
+        in_off = np.cumsum(T, 1) - T
+        for d in range(R):                                       # destination d: rows by source, in source order
+            o = 0
+            for s in range(R):
+                rows = slice(in_off[s, d], in_off[s, d] + T[s, d])
+                exp_y[d, o:o + T[s, d]] = x[s, rows]
+                exp_g[s, rows] = c[d, o:o + T[s, d]]
+                o += T[s, d]
+        return {"y_err": float(np.abs(y - exp_y).max()), "grad_err": float(np.abs(g - exp_g).max()),
+                "return_err": float(np.abs(back - exp_g).max()), "overflow": int(ov.sum())}
+
+    for name, T in Ts.items():
+        cases[name] = run(T, None)
+    cases["single_source_tight_c2"] = run(Ts["single_source"], -(-M_out // R))   # the bound MoonEP's fetch uses
+    # violated on purpose: all_to_one with the single-source chunk leaves rows behind, and says how many
+    cases["all_to_one_tight_c2"] = run(Ts["all_to_one"], -(-M_out // R))
+    return cases
 
 
 if __name__ == "__main__":

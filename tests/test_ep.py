@@ -28,10 +28,26 @@ def test_expert_parallel_moe_equals_single_device(ep_results):
         R = 8 if c["mesh"] == "expert=8" else 4
         S_K = 256 // 8 * 4                                  # tokens per device × top-K
         assert c["recv_rows"] == [S_K * (1 if c["method"] == "moonep" else R)] * 8, c
+        assert c["overflow"] == [0] * 8, c                  # the two-hop exchange (CPU default) carried every row
         if c["method"] == "moonep":
             assert max(c["fills"]) <= R - 1
             if c["routing"] == "balanced":
                 assert max(c["fetched"]) == 0 and max(c["fills"]) == 0        # nothing to move, nothing fetched
+
+
+@pytest.mark.slow
+def test_two_hop_exchange_is_the_ragged_exchange(ep_results):
+    """Two static all_to_all hops deliver exactly the rows a ragged exchange with the same counts would (checked
+    against a numpy exchange from T), their transpose returns them, and autodiff uses that transpose; a chunk too
+    small for the counts is reported as overflow, not silently lost."""
+    cases = ep_results["two_hop"]
+    for name, c in cases.items():
+        if name == "all_to_one_tight_c2":
+            continue
+        assert c == {"y_err": 0.0, "grad_err": 0.0, "return_err": 0.0, "overflow": 0}, (name, c)
+    # every source's 5 rows for rank 3 are its rows 0-4, so intermediates 0-4 each hold 8 rows for rank 3 (one per
+    # source); a chunk of ⌈41/8⌉ = 6 rows leaves 2 behind on each of the 5, and the route counts all 10
+    assert cases["all_to_one_tight_c2"]["overflow"] == 5 * 2 and cases["all_to_one_tight_c2"]["y_err"] > 0
 
 
 def test_cpu_ragged_all_to_alls_have_ragged_semantics():

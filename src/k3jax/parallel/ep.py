@@ -12,13 +12,15 @@ Every device holds S tokens (``z [S, D]``, top-K ``idx``/``w [S, K]``) and its E
 * ``"capacity"`` — GShard-style: at most C = ⌈cf·S·K/E⌉ pairs per (source, expert); the rest are dropped
   (contribute 0). Static buffer cf·S·K per rank.
 
-The pair exchange has three implementations with the same semantics (:data:`EXCHANGES`): ``"ragged"``
-(``jax.lax.ragged_all_to_all``: send and receive buffers of exactly S·K rows — GPU/TPU), and two that XLA:CPU
-runs, which transiently receive the worst-case R·S·K rows (the plan and the grouped matmul still see exactly
-S·K): ``"gather"`` (one ``all_gather`` of the S·K send rows, then each rank gathers the rows the all-gathered
-offsets say are its own; backward the same the other way — the CPU default) and ``"dense"`` (``all_to_all`` of
-an [R, S·K] box built by a gather and unpacked by a scatter, each transposed again in the backward).
-``"auto"`` picks ragged off CPU, gather on it.
+The pair exchange has four implementations with the same semantics (:data:`EXCHANGES`): ``"ragged"``
+(``jax.lax.ragged_all_to_all``: send and receive buffers of exactly S·K rows — GPU/TPU); ``"two_hop"`` (the CPU
+default: :mod:`k3jax.parallel.exchange`, two static ``all_to_all`` through an intermediate rank, ≈ 2·S·K rows
+per rank; MoonEP's weight fetch goes the same way, ≈ 2·E/R expert rows instead of all E); and two that
+transiently receive the worst-case R·S·K rows (the plan and the grouped matmul still see exactly S·K):
+``"gather"`` (one ``all_gather`` of the S·K send rows, then each rank gathers the rows the all-gathered offsets
+say are its own; the weight fetch an ``all_gather`` of every home's experts) and ``"dense"`` (``all_to_all`` of an
+[R, S·K] box built by a gather and unpacked by a scatter). ``"auto"`` picks ragged off CPU, two_hop on it.
+Stats: ``overflow`` counts rows a two-hop exchange could not carry (0 whenever its bounds hold; tests assert it).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from k3jax.ops.grouped import grouped_ffn
+from k3jax.parallel.exchange import two_hop_exchange, two_hop_return, two_hop_route
 from k3jax.parallel.moonep import destinations, plan, rank_in_group, slots_from_alloc
 
 Act = Callable[[jax.Array, jax.Array], jax.Array]
@@ -114,7 +117,7 @@ def ragged_all_to_all_gather(operand: jax.Array, output: jax.Array, input_offset
     return jnp.where((read >= 0).reshape(-1, *([1] * (operand.ndim - 1))), got, output)
 
 
-EXCHANGES = ("ragged", "gather", "dense")
+EXCHANGES = ("ragged", "two_hop", "gather", "dense")
 
 
 def _ragged(kind: str):
@@ -194,6 +197,40 @@ def _fetch_weights(ws: tuple[jax.Array, ...], fetch: jax.Array, axis: str, R: in
     return tuple(flat[:, a:b].reshape(w.shape) for w, a, b in zip(ws, cuts[:-1], cuts[1:]))
 
 
+def _fetch_weights_two_hop(ws: tuple[jax.Array, ...], fetch: jax.Array, axis: str,
+                           R: int) -> tuple[tuple[jax.Array, ...], jax.Array]:
+    """:func:`_fetch_weights` as a two-hop exchange (:mod:`k3jax.parallel.exchange`): home o sends the rows
+    ``(u, j)`` with ``fetch[u, j]`` one of its experts, in (u, j) order — at most m + R − 2 of them, since the
+    planner's fills from one donor cut its home experts in one pass and only a cut expert goes to two receivers.
+    Each receiver's slots all come from the one donor that filled it, so hop 2 needs ⌈m/R⌉ rows per pair, and
+    its fetched experts (a prefix of ``fetch[u]``, increasing id, so by home then slot) arrive in slot order.
+    Moves ≈ 2·m rows per rank where the ``all_gather`` moves E. Returns ``(fetched weights, overflow)``."""
+    m = ws[0].shape[0]
+    r = jax.lax.axis_index(axis)
+    flat = fetch.reshape(-1)
+    home = jnp.where(flat >= 0, flat // m, R)                            # [R·m], R = empty slot
+    T = jnp.zeros((R + 1, R), jnp.int32).at[home, jnp.arange(R * m) // m].add(1)[:R]   # [home, receiver]
+    M_in = m + R - 1
+    mine = jnp.argsort(jnp.where(home == r, 0, 1), stable=True)[:M_in]   # my entries in (u, j) order
+    n_mine = T[r].sum()
+    src = jnp.where(jnp.arange(M_in) < n_mine, flat[mine] % m, m)       # m = no row
+    route = two_hop_route(T, r, M_in, m, c2=-(-m // R))
+    overflow = route.overflow + jnp.maximum(n_mine - M_in, 0).astype(jnp.int32)
+    out = []
+    dtypes = {w.dtype for w in ws}
+    groups = [ws] if len(dtypes) == 1 else [(w,) for w in ws]
+    for g in groups:                                                     # one exchange per dtype
+        cat = jnp.concatenate([w.reshape(m, -1) for w in g], axis=1)
+        send = jnp.take(cat, src, axis=0, mode="fill", fill_value=0)
+        got = two_hop_exchange(send, route, axis, R)                     # [m, F] in slot order
+        a = 0
+        for w in g:
+            b = a + math.prod(w.shape[1:])
+            out.append(got[:, a:b].reshape(w.shape))
+            a = b
+    return tuple(out), overflow
+
+
 def moonep_local(z, idx, w, w1, w3, w2, *, act: Act, axis: str, exchange: str = "dense"):
     """Per-device body of the MoonEP MoE (see the module docstring). Returns ``(y [S, D] fp32, stats)``."""
     S, K = idx.shape
@@ -210,29 +247,42 @@ def moonep_local(z, idx, w, w1, w3, w2, *, act: Act, axis: str, exchange: str = 
     send_dest = dest[order]
     send_x = jnp.take(z, order // K, axis=0)
     in_off, send, out_off, recv, recv_in_off, back_out, T = _exchange_plan(send_dest, R, axis)
+    overflow = jnp.int32(0)
     if exchange == "gather":   # the forward's and the return's row maps, both from the all-gathered T
         read, back = _gather_indices(T, r, Pn)
         a2a = None
         rx = _gather_exchange(send_x, read, back, axis)
         rslot = _take_rows(jax.lax.all_gather(slot[order], axis, tiled=True), read)
+    elif exchange == "two_hop":
+        a2a = None
+        route = two_hop_route(T, r, Pn, Pn)
+        overflow = route.overflow
+        rx = two_hop_exchange(send_x, route, axis, R)
+        rslot = two_hop_exchange(slot[order], route, axis, R)
     else:
         a2a = _ragged(exchange)
         rx = a2a(send_x, jnp.zeros_like(send_x), in_off, send, out_off, recv, axis_name=axis)
         rslot = a2a(slot[order], jnp.zeros_like(slot), in_off, send, out_off, recv, axis_name=axis)
     buf = jnp.zeros_like(rx).at[rslot].set(rx)                            # expert-segment order
     experts, sizes, fetch = slots_from_alloc(pl.alloc)
-    fw = _fetch_weights((w1, w3, w2), fetch, axis, R)
+    if exchange == "two_hop":
+        fw, fetch_overflow = _fetch_weights_two_hop((w1, w3, w2), fetch, axis, R)
+        overflow = overflow + fetch_overflow
+    else:
+        fw = _fetch_weights((w1, w3, w2), fetch, axis, R)
     W1, W3, W2 = (jnp.concatenate([a, b.astype(a.dtype)], 0) for a, b in zip((w1, w3, w2), fw))
     y_buf = grouped_ffn(buf, sizes[r], W1, W3, W2, act)                   # [S·K, D]: exactly S·K rows
     y_rows = jnp.take(y_buf, rslot, axis=0)                               # back in receive order
-    if a2a is None:            # the return trip is the forward exchange transposed
+    if exchange == "two_hop":  # the return trip is the forward exchange transposed
+        y_send = two_hop_return(y_rows, route, axis, R, Pn)
+    elif a2a is None:
         y_send = _gather_exchange(y_rows, back, read, axis)
     else:
         y_send = a2a(y_rows, jnp.zeros_like(y_rows), recv_in_off, recv, back_out, send, axis_name=axis)
     y_pairs = jnp.zeros_like(y_send).at[order].set(y_send)
     y = jnp.sum(y_pairs.reshape(S, K, -1) * w.astype(y_pairs.dtype)[..., None], axis=1)
     stats = {"fills": pl.n_fills, "fetched_experts": jnp.sum(fetch >= 0), "recv_rows": jnp.int32(Pn),
-             "dropped": jnp.int32(0)}
+             "dropped": jnp.int32(0), "overflow": overflow}
     return y, stats
 
 
@@ -263,7 +313,7 @@ def dropless_local(z, idx, w, w1, w3, w2, *, act: Act, axis: str, exchange: str 
     y_pairs = jnp.zeros_like(y_send).at[order].set(y_send)
     y = jnp.sum(y_pairs.reshape(S, K, -1) * w.astype(y_pairs.dtype)[..., None], axis=1)
     return y, {"fills": jnp.int32(0), "fetched_experts": jnp.int32(0), "recv_rows": jnp.int32(R * Pn),
-               "dropped": jnp.int32(0)}
+               "dropped": jnp.int32(0), "overflow": jnp.int32(0)}
 
 
 def capacity_local(z, idx, w, w1, w3, w2, *, act: Act, axis: str, capacity_factor: float = 1.25,
@@ -291,7 +341,7 @@ def capacity_local(z, idx, w, w1, w3, w2, *, act: Act, axis: str, capacity_facto
     y_pairs = jnp.where(keep[:, None], back[jnp.minimum(e_flat, E - 1), jnp.minimum(pos, C - 1)], 0.0)
     y = jnp.sum(y_pairs.reshape(S, K, -1) * w.astype(f)[..., None], axis=1)
     return y, {"fills": jnp.int32(0), "fetched_experts": jnp.int32(0), "recv_rows": jnp.int32(E * C),
-               "dropped": jnp.sum(~keep).astype(jnp.int32)}
+               "dropped": jnp.sum(~keep).astype(jnp.int32), "overflow": jnp.int32(0)}
 
 
 LOCAL = {"moonep": moonep_local, "dropless": dropless_local, "capacity": capacity_local}
@@ -360,7 +410,7 @@ def moe_expert_parallel(z: jax.Array, idx: jax.Array, w: jax.Array, w1: jax.Arra
     if z.shape[0] % ntok:
         raise ValueError(f"{z.shape[0]} tokens do not split over mesh axes {tax} ({ntok} shards)")
     if exchange == "auto":
-        exchange = "gather" if jax.default_backend() == "cpu" else "ragged"
+        exchange = "two_hop" if jax.default_backend() == "cpu" else "ragged"
     if exchange not in EXCHANGES:
         raise ValueError(f"exchange: expected one of {EXCHANGES} or 'auto', got {exchange!r}")
     kw = {"act": act, "axis": axis, "exchange": exchange}
