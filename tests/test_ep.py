@@ -19,6 +19,7 @@ def ep_results():
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("ep_check")          # both tests read one run of the check: keep them on one worker
 def test_expert_parallel_moe_equals_single_device(ep_results):
     assert ep_results["devices"] == 8
     cases = ep_results["cases"]
@@ -36,6 +37,7 @@ def test_expert_parallel_moe_equals_single_device(ep_results):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("ep_check")
 def test_two_hop_exchange_is_the_ragged_exchange(ep_results):
     """Two static all_to_all hops deliver exactly the rows a ragged exchange with the same counts would (checked
     against a numpy exchange from T), their transpose returns them, and autodiff uses that transpose; a chunk too
