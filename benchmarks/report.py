@@ -225,15 +225,17 @@ def t_moonep(r: dict) -> str:
                               ("moonep", "moonep_gather_exchange", "moonep_dense_exchange", "dropless", "capacity"))
         rows.append([x.get("routing"), num(mo.get("step_ms"), ",.1f"), num(mg.get("step_ms"), ",.1f"),
                      num(md.get("step_ms"), ",.1f"),
-                     mo.get("recv_rows_per_rank"), mo.get("fetched_experts"), num(dl.get("step_ms"), ",.1f"),
+                     mo.get("recv_rows_per_rank"), mo.get("fetched_experts"), mo.get("fetch_slots", DASH),
+                     num(dl.get("step_ms"), ",.1f"),
                      dl.get("recv_rows_per_rank"), times(x.get("speedup_vs_dropless")),
                      times(x.get("buffer_ratio_dropless_over_moonep")), num(cp.get("step_ms"), ",.1f"),
                      pct(cp.get("drop_rate")), times(x.get("moonep_over_capacity"))])
     s = r.get("setup", {})
     out = (f"R={r.get('devices')} devices, S={s.get('S')} tokens/rank, E={s.get('E')}, top-{s.get('K')}, "
-           f"D={s.get('D')}, I={s.get('I')}, exchange {s.get('exchange')}; step = MoE fwd+bwd, ms (median).\n\n"
+           f"D={s.get('D')}, I={s.get('I')}, exchange {s.get('exchange')}; step = MoE fwd+bwd, ms (median); "
+           f"fetch slots/rank: the redundant-expert slots the step ran with (of the compiled ⌈m/8⌉ and m).\n\n"
            + table(["routing", "MoonEP ms", "MoonEP ms (gather exchange)", "MoonEP ms (dense exchange)", "MoonEP rows/rank", "fetched",
-                    "dropless ms", "dropless rows/rank", "speedup vs dropless", "buffer dropless/MoonEP",
+                    "fetch slots/rank", "dropless ms", "dropless rows/rank", "speedup vs dropless", "buffer dropless/MoonEP",
                     "capacity 1.25 ms", "capacity drops", "MoonEP / capacity"], rows))
     plans = r.get("planner_R64", [])
     if plans:

@@ -78,6 +78,7 @@ def main():
                                  "recv_rows": np.asarray(st["recv_rows"]).tolist(),
                                  "fetched": np.asarray(st["fetched_experts"]).tolist(),
                                  "fills": np.asarray(st["fills"]).tolist(),
+                                 "fetch_slots": np.asarray(st["fetch_slots"]).tolist(),
                                  "overflow": np.asarray(st["overflow"]).tolist()})
     out["two_hop"] = two_hop_cases(rng)
     print(json.dumps(out))

@@ -34,6 +34,15 @@ def test_expert_parallel_moe_equals_single_device(ep_results):
             assert max(c["fills"]) <= R - 1
             if c["routing"] == "balanced":
                 assert max(c["fetched"]) == 0 and max(c["fills"]) == 0        # nothing to move, nothing fetched
+    # MoonEP ran both of its compiled fetch sizes, ⌈m/8⌉ = 1 slot and the planner's bound m (m = 32/R experts per
+    # rank), each checked against the single device above: on data=2,expert=4 (m = 8) the concentrated routings
+    # need more than one redundant expert on some rank, the balanced one none
+    slots = {(c["mesh"], c["routing"]): c["fetch_slots"] for c in cases if c["method"] == "moonep"}
+    for (mesh, routing), s in slots.items():
+        m = 32 // (8 if mesh == "expert=8" else 4)
+        assert len(set(s)) == 1 and s[0] in (1, m), (mesh, routing, s)
+    assert {s[0] for (mesh, _), s in slots.items() if mesh == "data=2,expert=4"} == {1, 8}, slots
+    assert slots[("data=2,expert=4", "balanced")][0] == 1, slots
 
 
 @pytest.mark.slow

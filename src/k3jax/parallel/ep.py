@@ -20,7 +20,10 @@ transiently receive the worst-case R·S·K rows (the plan and the grouped matmul
 ``"gather"`` (one ``all_gather`` of the S·K send rows, then each rank gathers the rows the all-gathered offsets
 say are its own; the weight fetch an ``all_gather`` of every home's experts) and ``"dense"`` (``all_to_all`` of an
 [R, S·K] box built by a gather and unpacked by a scatter). ``"auto"`` picks ragged off CPU, two_hop on it.
-Stats: ``overflow`` counts rows a two-hop exchange could not carry (0 whenever its bounds hold; tests assert it).
+Stats: ``overflow`` counts rows a two-hop exchange could not carry (0 whenever its bounds hold; tests assert it);
+``fetch_slots`` the redundant-expert slots per rank MoonEP's step ran with (:func:`fetch_menu`: the weight fetch
+and the grouped matmul are compiled for ⌈m/8⌉ slots and for the planner's bound m; the plan picks one at run
+time, the same on every rank, and the backward recomputes only that one).
 """
 
 from __future__ import annotations
@@ -157,8 +160,8 @@ def _gather_indices(T: jax.Array, r: jax.Array, rows: int) -> tuple[jax.Array, j
 # --------------------------------------------------------------------------------------------------- MoonEP
 @partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _fetch_one(w: jax.Array, fetch: jax.Array, axis: str) -> jax.Array:
-    """This rank's redundant slots ``[m, ...]`` of the expert weights ``w [m, ...]`` (its home experts):
-    ``fetch [R, m]`` global expert ids (−1 = empty slot, zero weights), read from one ``all_gather`` of every
+    """This rank's redundant slots ``[F, ...]`` of the expert weights ``w [m, ...]`` (its home experts):
+    ``fetch [R, F]`` global expert ids (−1 = empty slot, zero weights), read from one ``all_gather`` of every
     rank's home weights. Backward: the slots' cotangents are all-gathered and each home rank adds those of its
     own experts (an expert may be fetched by several ranks) — no reduce-scatter of a mostly-zero [E, ...]."""
     mine = fetch[jax.lax.axis_index(axis)]
@@ -167,16 +170,17 @@ def _fetch_one(w: jax.Array, fetch: jax.Array, axis: str) -> jax.Array:
 
 
 def _fetch_one_fwd(w, fetch, axis):
-    return _fetch_one(w, fetch, axis), fetch
+    return _fetch_one(w, fetch, axis), (fetch, jnp.zeros((w.shape[0], 0), w.dtype))   # keeps w's m and dtype
 
 
-def _fetch_one_bwd(axis, fetch, ct):
-    m = ct.shape[0]
+def _fetch_one_bwd(axis, res, ct):
+    fetch, shape_of_w = res
+    m = shape_of_w.shape[0]
     flat = fetch.reshape(-1)
     home = (flat >= 0) & (flat // m == jax.lax.axis_index(axis))
     ct_all = jax.lax.all_gather(ct, axis, tiled=True)                     # [R·m, ...] every rank's slots
     dw = jnp.zeros((m + 1, *ct.shape[1:]), ct.dtype).at[jnp.where(home, flat % m, m)].add(ct_all)
-    return dw[:m], None
+    return dw[:m].astype(shape_of_w.dtype), None
 
 
 _fetch_one.defvjp(_fetch_one_fwd, _fetch_one_bwd)
@@ -194,27 +198,29 @@ def _fetch_weights(ws: tuple[jax.Array, ...], fetch: jax.Array, axis: str, R: in
     cuts = [0]
     for w in ws:
         cuts.append(cuts[-1] + math.prod(w.shape[1:]))
-    return tuple(flat[:, a:b].reshape(w.shape) for w, a, b in zip(ws, cuts[:-1], cuts[1:]))
+    return tuple(flat[:, a:b].reshape(-1, *w.shape[1:]) for w, a, b in zip(ws, cuts[:-1], cuts[1:]))
 
 
 def _fetch_weights_two_hop(ws: tuple[jax.Array, ...], fetch: jax.Array, axis: str,
                            R: int) -> tuple[tuple[jax.Array, ...], jax.Array]:
     """:func:`_fetch_weights` as a two-hop exchange (:mod:`k3jax.parallel.exchange`): home o sends the rows
     ``(u, j)`` with ``fetch[u, j]`` one of its experts, in (u, j) order — at most m + R − 2 of them, since the
-    planner's fills from one donor cut its home experts in one pass and only a cut expert goes to two receivers.
-    Each receiver's slots all come from the one donor that filled it, so hop 2 needs ⌈m/R⌉ rows per pair, and
-    its fetched experts (a prefix of ``fetch[u]``, increasing id, so by home then slot) arrive in slot order.
-    Moves ≈ 2·m rows per rank where the ``all_gather`` moves E. Returns ``(fetched weights, overflow)``."""
+    planner's fills from one donor cut its home experts in one pass and only a cut expert goes to two receivers
+    (and at most (R−1)·F for F slots per rank). Each receiver's slots all come from the one donor that filled
+    it, so hop 2 needs ⌈F/R⌉ rows per pair, and its fetched experts (a prefix of ``fetch[u]``, increasing id, so
+    by home then slot) arrive in slot order. Moves ≈ 2·F rows per rank where the ``all_gather`` moves E.
+    ``fetch [R, F]``; returns ``(fetched weights [F, ...] each, overflow)``."""
     m = ws[0].shape[0]
+    F = fetch.shape[1]
     r = jax.lax.axis_index(axis)
     flat = fetch.reshape(-1)
-    home = jnp.where(flat >= 0, flat // m, R)                            # [R·m], R = empty slot
-    T = jnp.zeros((R + 1, R), jnp.int32).at[home, jnp.arange(R * m) // m].add(1)[:R]   # [home, receiver]
-    M_in = m + R - 1
+    home = jnp.where(flat >= 0, flat // m, R)                            # [R·F], R = empty slot
+    T = jnp.zeros((R + 1, R), jnp.int32).at[home, jnp.arange(R * F) // F].add(1)[:R]   # [home, receiver]
+    M_in = min(m + R - 1, R * F)
     mine = jnp.argsort(jnp.where(home == r, 0, 1), stable=True)[:M_in]   # my entries in (u, j) order
     n_mine = T[r].sum()
     src = jnp.where(jnp.arange(M_in) < n_mine, flat[mine] % m, m)       # m = no row
-    route = two_hop_route(T, r, M_in, m, c2=-(-m // R))
+    route = two_hop_route(T, r, M_in, F, c2=-(-F // R))
     overflow = route.overflow + jnp.maximum(n_mine - M_in, 0).astype(jnp.int32)
     out = []
     dtypes = {w.dtype for w in ws}
@@ -222,13 +228,47 @@ def _fetch_weights_two_hop(ws: tuple[jax.Array, ...], fetch: jax.Array, axis: st
     for g in groups:                                                     # one exchange per dtype
         cat = jnp.concatenate([w.reshape(m, -1) for w in g], axis=1)
         send = jnp.take(cat, src, axis=0, mode="fill", fill_value=0)
-        got = two_hop_exchange(send, route, axis, R)                     # [m, F] in slot order
+        got = two_hop_exchange(send, route, axis, R)                     # [F, ·] in slot order
         a = 0
         for w in g:
             b = a + math.prod(w.shape[1:])
-            out.append(got[:, a:b].reshape(w.shape))
+            out.append(got[:, a:b].reshape(F, *w.shape[1:]))
             a = b
     return tuple(out), overflow
+
+
+def switch_recompute(index: jax.Array, branches, ints: tuple, floats: tuple):
+    """``lax.switch(index, branches, ints, floats)`` for branches returning ``(y, aux)`` (``aux`` integer, no
+    cotangent), differentiable in ``floats``; its backward runs the VJP of the taken branch only, recomputing
+    that branch's forward. (``lax.switch``'s own VJP keeps the residuals of every branch — zeros, at full size,
+    for those not taken — which is what choosing a small layout at run time over a worst-case one avoids.)
+    ``ints``: integer operands. Collectives inside a branch need ``index`` equal on every rank."""
+
+    @jax.custom_vjp
+    def run(index, ints, floats):
+        return jax.lax.switch(index, branches, ints, floats)
+
+    def fwd(index, ints, floats):
+        return run(index, ints, floats), (index, ints, floats)
+
+    def bwd(res, ct):
+        index, ints, floats = res
+
+        def pull(branch):
+            return lambda ct, ints, floats: jax.vjp(lambda fl: branch(ints, fl), floats, has_aux=True)[1](ct)[0]
+
+        return None, None, jax.lax.switch(index, [pull(b) for b in branches], ct[0], ints, floats)
+
+    run.defvjp(fwd, bwd)
+    return run(index, ints, floats)
+
+
+def fetch_menu(m: int) -> tuple[int, ...]:
+    """Static numbers of redundant-expert slots per rank MoonEP compiles for: ⌈m/8⌉ (what the plan needs on the
+    routings of ``benchmarks.moonep``: ≤ 10 of 112 at R=8, ≤ 2 of 14 at R=64), then the planner's bound m. The
+    smallest that holds every rank's fetches runs; the others cost compile time only."""
+    small = max(1, -(-m // 8))
+    return (small, m) if small < m else (m,)
 
 
 def moonep_local(z, idx, w, w1, w3, w2, *, act: Act, axis: str, exchange: str = "dense"):
@@ -265,13 +305,27 @@ def moonep_local(z, idx, w, w1, w3, w2, *, act: Act, axis: str, exchange: str = 
         rslot = a2a(slot[order], jnp.zeros_like(slot), in_off, send, out_off, recv, axis_name=axis)
     buf = jnp.zeros_like(rx).at[rslot].set(rx)                            # expert-segment order
     experts, sizes, fetch = slots_from_alloc(pl.alloc)
-    if exchange == "two_hop":
-        fw, fetch_overflow = _fetch_weights_two_hop((w1, w3, w2), fetch, axis, R)
-        overflow = overflow + fetch_overflow
-    else:
-        fw = _fetch_weights((w1, w3, w2), fetch, axis, R)
-    W1, W3, W2 = (jnp.concatenate([a, b.astype(a.dtype)], 0) for a, b in zip((w1, w3, w2), fw))
-    y_buf = grouped_ffn(buf, sizes[r], W1, W3, W2, act)                   # [S·K, D]: exactly S·K rows
+    # the grouped matmul over the home experts and F redundant slots, F the smallest of fetch_menu that holds
+    # every rank's fetches (the plan is the same on every rank, so all ranks take the same branch)
+    menu = fetch_menu(m)
+    n_fetch = jnp.max(jnp.sum(fetch >= 0, axis=1))
+    index = jnp.sum(n_fetch > jnp.asarray(menu[:-1], jnp.int32)).astype(jnp.int32)
+
+    def experts_with(F: int):
+        def run(ints, floats):
+            fetch, sizes_r = ints
+            buf, w1, w3, w2 = floats
+            if exchange == "two_hop":
+                fw, fetch_overflow = _fetch_weights_two_hop((w1, w3, w2), fetch[:, :F], axis, R)
+            else:
+                fw, fetch_overflow = _fetch_weights((w1, w3, w2), fetch[:, :F], axis, R), jnp.int32(0)
+            W1, W3, W2 = (jnp.concatenate([a, b.astype(a.dtype)], 0) for a, b in zip((w1, w3, w2), fw))
+            return grouped_ffn(buf, sizes_r[:m + F], W1, W3, W2, act), fetch_overflow   # [S·K, D]
+        return run
+
+    y_buf, fetch_overflow = switch_recompute(index, [experts_with(F) for F in menu], (fetch, sizes[r]),
+                                             (buf, w1, w3, w2))
+    overflow = overflow + fetch_overflow
     y_rows = jnp.take(y_buf, rslot, axis=0)                               # back in receive order
     if exchange == "two_hop":  # the return trip is the forward exchange transposed
         y_send = two_hop_return(y_rows, route, axis, R, Pn)
@@ -282,6 +336,7 @@ def moonep_local(z, idx, w, w1, w3, w2, *, act: Act, axis: str, exchange: str = 
     y_pairs = jnp.zeros_like(y_send).at[order].set(y_send)
     y = jnp.sum(y_pairs.reshape(S, K, -1) * w.astype(y_pairs.dtype)[..., None], axis=1)
     stats = {"fills": pl.n_fills, "fetched_experts": jnp.sum(fetch >= 0), "recv_rows": jnp.int32(Pn),
+             "fetch_slots": jnp.asarray(menu, jnp.int32)[index],
              "dropped": jnp.int32(0), "overflow": overflow}
     return y, stats
 
@@ -312,7 +367,7 @@ def dropless_local(z, idx, w, w1, w3, w2, *, act: Act, axis: str, exchange: str 
     y_send = back[send_dest, j]
     y_pairs = jnp.zeros_like(y_send).at[order].set(y_send)
     y = jnp.sum(y_pairs.reshape(S, K, -1) * w.astype(y_pairs.dtype)[..., None], axis=1)
-    return y, {"fills": jnp.int32(0), "fetched_experts": jnp.int32(0), "recv_rows": jnp.int32(R * Pn),
+    return y, {"fills": jnp.int32(0), "fetched_experts": jnp.int32(0), "fetch_slots": jnp.int32(0), "recv_rows": jnp.int32(R * Pn),
                "dropped": jnp.int32(0), "overflow": jnp.int32(0)}
 
 
@@ -340,7 +395,7 @@ def capacity_local(z, idx, w, w1, w3, w2, *, act: Act, axis: str, capacity_facto
     back = jax.lax.all_to_all(jnp.swapaxes(yo.reshape(m, R, C, -1), 0, 1), axis, 0, 0).reshape(E, C, -1)
     y_pairs = jnp.where(keep[:, None], back[jnp.minimum(e_flat, E - 1), jnp.minimum(pos, C - 1)], 0.0)
     y = jnp.sum(y_pairs.reshape(S, K, -1) * w.astype(f)[..., None], axis=1)
-    return y, {"fills": jnp.int32(0), "fetched_experts": jnp.int32(0), "recv_rows": jnp.int32(E * C),
+    return y, {"fills": jnp.int32(0), "fetched_experts": jnp.int32(0), "fetch_slots": jnp.int32(0), "recv_rows": jnp.int32(E * C),
                "dropped": jnp.sum(~keep).astype(jnp.int32), "overflow": jnp.int32(0)}
 
 
