@@ -34,10 +34,11 @@ _CACHE_MADE: list[str] = []
 # time, and the backend optimisation level changes code generation, not the operations' semantics (every comparison
 # in the suite has a tolerance or compares two programs compiled alike). K3JAX_TEST_XLA_OPT=1 keeps XLA's default.
 TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-# 8 simulated devices share 2 cores with the other pytest worker: one device's thread can reach a collective more than
-# XLA:CPU's default 40 s after the others (seen in a clean-clone CI run, where nothing is in the compile cache), and
-# XLA then aborts the process. The tests bound their own time; the rendezvous should not.
-COLLECTIVE_XLA_FLAGS = "--xla_cpu_collective_call_terminate_timeout_seconds=900"
+# 8 simulated devices share 2 cores with the other pytest worker: one device's thread can reach a collective well
+# after the others, past XLA:CPU's default 40 s (the processes also get the thread pool that keeps their collectives
+# from deadlocking: k3jax.parallel.host, NPROC). A rendezvous stuck for 300 s is a hang: the process aborts with
+# XLA's message rather than running into the test's own time-out.
+COLLECTIVE_XLA_FLAGS = "--xla_cpu_collective_call_terminate_timeout_seconds=300"
 
 
 def xla_flags_for_tests(extra: str = "") -> str:
@@ -95,16 +96,24 @@ def fla_naive_module():
     return mod
 
 
+def device_env(devices: int) -> dict:
+    """The environment of a subprocess with ``devices`` simulated CPU devices: the tests' XLA flags, the device
+    count and the client thread pool their collectives need (``NPROC``, :mod:`k3jax.parallel.host`)."""
+    from k3jax.parallel.host import host_device_flag
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags_for_tests()}
+    host_device_flag(devices, env)
+    return env
+
+
 def run_device_check(script: Path, *args: str, devices: int = 8, timeout: int = 900) -> dict:
     """Run a check script beside the tests in a subprocess with ``devices`` simulated CPU devices (the flag must be
     set before JAX starts, so not in this process) and return the JSON of its last stdout line."""
     import json
     import subprocess
 
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": xla_flags_for_tests(f"--xla_force_host_platform_device_count={devices}")}
     res = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=timeout,
-                         env=env)
+                         env=device_env(devices))
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads(res.stdout.strip().splitlines()[-1])
 

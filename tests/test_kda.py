@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import fla_naive_module, xla_flags_for_tests
+from conftest import device_env, fla_naive_module
 from k3jax.ops.kda import (causal_conv1d, conv_window_advance, kda_gate_lower_bound, kda_gate_softplus, kda_recurrent,
                            kda_replay, kda_step)
 from k3jax.ops.kda_chunked import KDA_CHUNKED_IMPLS, kda_chunked
@@ -359,10 +359,8 @@ def test_heads_split_over_two_host_devices_equal_one_device_and_numpy():
     import sys
     from pathlib import Path
 
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": xla_flags_for_tests("--xla_force_host_platform_device_count=2")}
     res = subprocess.run([sys.executable, str(Path(__file__).with_name("kda_heads_check.py"))], capture_output=True,
-                         text=True, timeout=600, env=env)
+                         text=True, timeout=600, env=device_env(2))
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["devices"] == 2 and out["mesh"] == {"heads": 2}

@@ -1,5 +1,11 @@
 """k3jax: the Kimi K3 language-model architecture in JAX."""
 
+from k3jax.parallel.host import guard_collective_threads
+
+# XLA_FLAGS forcing several host CPU devices: give XLA the threads their collectives need before its CPU backend
+# starts (with as many threads as devices, a multi-device program can deadlock; k3jax.parallel.host)
+guard_collective_threads()
+
 from k3jax.config import ConfigError, K3Config, LinearAttnConfig, preset_names
 from k3jax.nn.model import CausalLMOutput, K3ForCausalLM
 

@@ -10,38 +10,13 @@ worth of work — runs its share of the heads (measured in ``benchmarks/kda.py``
 
 from __future__ import annotations
 
-import os
-import re
-
 import jax
 import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from k3jax.ops.kda_chunked import kda_chunked
-
-_FLAG = "--xla_force_host_platform_device_count"
-
-
-def host_cores() -> int:
-    """The CPU cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
-def host_device_flag(count: int | None = None, env: dict | None = None) -> int:
-    """Ask XLA for ``count`` CPU devices (default: the cores this process may use) by adding
-    ``--xla_force_host_platform_device_count`` to ``XLA_FLAGS`` in ``env`` (default ``os.environ``), unless the flag
-    is already there. It only takes effect if JAX's backends have not started yet in that process. Returns the
-    device count the flags now ask for."""
-    env = os.environ if env is None else env
-    flags = env.get("XLA_FLAGS", "")
-    m = re.search(_FLAG + r"=(\d+)", flags)
-    if m:
-        return int(m.group(1))
-    if count is None:
-        count = host_cores()
-    env["XLA_FLAGS"] = f"{flags} {_FLAG}={count}".strip()
-    return count
+from k3jax.parallel.host import host_cores, host_device_flag  # noqa: F401  (re-exported: split the host)
 
 
 def head_mesh(num_heads: int, devices=None, axis: str = "heads") -> Mesh:
