@@ -339,3 +339,47 @@ def test_resume_false_into_a_run_with_checkpoints_stops_before_writing(tmp_path)
         train(c)
     assert (tmp_path / "train_config.json").read_text() == "the first run's"
     assert (tmp_path / "metrics.jsonl").read_text() == "{}\n"
+
+
+def test_micro_batches_give_the_whole_batch_gradient_and_routing():
+    # micro_batches=A runs the batch as A forward+backward passes (rows a, a+A, …) and updates once: the loss, the
+    # gradient (through the updated parameters) and the routing statistics the router biases are solved from are
+    # those of one pass over the whole batch. Checked on the test preset cut to 3 layers (dense MLP, two routed
+    # MoE layers) with a loss mask that differs between micro-batches (the mean is over the whole batch's
+    # tokens, not a mean of micro-batch means), against the closed form: the same step with micro_batches=1.
+    from k3jax.config import ConfigError
+    from k3jax.train.loop import make_step
+    from k3jax.train.optim import make_optimizer, muon_dims_tree
+
+    B, T = 4, 32
+    docs, info = stdlib_corpus(200_000)
+    batch = {k: jnp.asarray(v) for k, v in Dataset(docs, info, ByteTokenizer(), T).train_batch(0, B).items()}
+    batch["loss_mask"] = batch["loss_mask"].at[1, : T // 2].set(0)       # micro-batch 1 (rows 1, 3) has fewer tokens
+    res = {}
+    for A in (1, 2):
+        c = small_train_config("unused", micro_batches=A, batch_size=B, seq_len=T, balance="quantile")
+        cfg = model_config(c)
+        g, p_st, r_st = nnx.split(K3ForCausalLM(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
+        params, rest = nnx.to_pure_dict(p_st), nnx.to_pure_dict(r_st)
+        opt = make_optimizer(muon_dims_tree(p_st), c.steps, c.optim)
+        step, _ = make_step(g, p_st, r_st, opt, c, cfg)
+        ost, init = opt.init(params), params
+        for _ in range(2):          # step 0 has learning rate 0 (warm-up): the second update moves the parameters
+            params, rest, ost, m = step(params, rest, ost, batch)
+        res[A] = (params, rest, m)
+    (p1, r1, m1), (p2, r2, m2) = res[1], res[2]
+    moved = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(init)))
+    assert moved > 1e-3, moved
+    assert abs(float(m1["loss"]) - float(m2["loss"])) <= 1e-5 * float(m1["loss"])
+    assert abs(float(m1["grad_norm"]) - float(m2["grad_norm"])) <= 1e-4 * float(m1["grad_norm"])
+    np.testing.assert_array_equal(np.asarray(m1["counts"]), np.asarray(m2["counts"]))
+    assert np.asarray(m1["counts"]).sum() > 0
+    diff = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2)))
+    assert diff <= 1e-5, diff
+    biases = lambda r: [x for path, x in jax.tree_util.tree_leaves_with_path(r)  # noqa: E731
+                        if "e_score_correction_bias" in jax.tree_util.keystr(path)]
+    assert len(biases(r1)) == 2 and any(float(jnp.max(jnp.abs(b))) > 0 for b in biases(r1))
+    for b1, b2 in zip(biases(r1), biases(r2)):
+        assert float(jnp.max(jnp.abs(b1 - b2))) <= 1e-3, (b1, b2)
+    with pytest.raises(ConfigError, match=r"batch_size=6 does not split into micro_batches=4"):
+        TrainConfig.from_dict({"batch_size": 6, "micro_batches": 4})

@@ -12,6 +12,7 @@ import math
 import os
 import time
 import tomllib
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -69,6 +70,7 @@ class TrainConfig:
     tokenizer: str = "bytes"                  # "bytes", a tokenizer.json, or a directory with tiktoken.model / tokenizer.json
     seq_len: int = 256
     batch_size: int = 16
+    micro_batches: int = 1                    # the batch runs as this many forward+backward passes, one update
     steps: int = 300
     optim: OptimConfig = field(default_factory=OptimConfig)
     balance: str = "quantile"                 # "quantile" | "sign" | "none"
@@ -136,8 +138,8 @@ class TrainConfig:
         return c
 
     def validate(self) -> None:
-        for name in ("seq_len", "batch_size", "steps", "eval_every", "save_every", "keep", "eval_batches",
-                     "balance_bins", "balance_passes"):
+        for name in ("seq_len", "batch_size", "micro_batches", "steps", "eval_every", "save_every", "keep",
+                     "eval_batches", "balance_bins", "balance_passes"):
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
                 raise ConfigError(f"training config: {name}: expected a positive integer, got {v!r}")
@@ -165,9 +167,13 @@ class TrainConfig:
             if self.seq_len % sizes["context"]:
                 raise ConfigError(f"training config: seq_len={self.seq_len} does not split over context="
                                   f"{sizes['context']} (mesh {self.mesh})")
-            if self.batch_size % (sizes["data"] * sizes["fsdp"]):
-                raise ConfigError(f"training config: batch_size={self.batch_size} does not split over data×fsdp="
-                                  f"{sizes['data'] * sizes['fsdp']} (mesh {self.mesh})")
+            if self.batch_size % (sizes["data"] * sizes["fsdp"] * self.micro_batches):
+                raise ConfigError(f"training config: batch_size={self.batch_size} does not split over "
+                                  f"micro_batches×data×fsdp={self.micro_batches}×{sizes['data']}×{sizes['fsdp']} "
+                                  f"(mesh {self.mesh})")
+        elif self.batch_size % self.micro_batches:
+            raise ConfigError(f"training config: batch_size={self.batch_size} does not split into "
+                              f"micro_batches={self.micro_batches} equal micro-batches")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -213,7 +219,8 @@ def make_step(graphdef, params_template, rest_template, optimizer, c: TrainConfi
     One step: forward (routed experts over ``ep``'s mesh when given, sequences split along time over ``cp``'s
     context axis when given) → loss → gradients → Muon/AdamW update →
     the router biases for the next step from this step's routing (:mod:`k3jax.train.balance`; this step routed
-    with the old ones). ``state_shardings`` (on a mesh): the shardings of (params, rest, opt_state); the step
+    with the old ones). With ``c.micro_batches`` > 1 the forward and backward run once per micro-batch and the
+    gradients are summed before the one update (see ``accumulated``). ``state_shardings`` (on a mesh): the shardings of (params, rest, opt_state); the step
     returns its new state with exactly these, so that step 2 sees the arguments step 1 saw and reuses its
     executable (an argument whose sharding changes between steps, e.g. an optimizer counter left on one device,
     makes the second step compile the whole step again).
@@ -236,9 +243,39 @@ def make_step(graphdef, params_template, rest_template, optimizer, c: TrainConfi
                                    router_scores=router_scores)
         return cross_entropy(out.logits, batch["targets"], batch["loss_mask"]), out
 
+    def accumulated(params, rest, batch):
+        """Loss, gradients and routing statistics of the whole batch from ``c.micro_batches`` forward+backward
+        passes in a scan: micro-batch ``a`` takes rows ``a, a+A, a+2A, …`` (on a mesh each device keeps its own
+        rows), each pass differentiates its masked NLL sum, and the sums are divided by the batch's mask count —
+        the gradient of the whole batch's mean loss. Expert counts are summed and router scores concatenated, so
+        the router biases are solved from the same tokens as in one pass."""
+        A = c.micro_batches
+        micro = jax.tree.map(lambda x: jnp.swapaxes(x.reshape(x.shape[0] // A, A, *x.shape[1:]), 0, 1), batch)
+        n = jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
+
+        def nll_sum(params, mb):
+            loss, out = loss_fn(params, rest, mb, balance.needs_scores)
+            return loss * jnp.maximum(jnp.sum(mb["loss_mask"].astype(jnp.float32)), 1.0), out
+
+        def body(acc, mb):
+            (s, out), g = jax.value_and_grad(nll_sum, has_aux=True)(params, mb)
+            acc = jax.tree.map(jnp.add, acc, (s, g))
+            return acc, (out.expert_counts, out.router_scores)
+
+        zero = (jnp.zeros([], jnp.float32), jax.tree.map(jnp.zeros_like, params))
+        (total, grads), (counts, scores) = jax.lax.scan(body, zero, micro)
+        grads = jax.tree.map(lambda g: g / n, grads)
+        if scores is not None:
+            scores = tuple(s.reshape(-1, s.shape[-1]) for s in scores)
+        stats = types.SimpleNamespace(expert_counts=jnp.sum(counts, axis=0), router_scores=scores)
+        return total / n, stats, grads
+
     def step(params, rest, opt_state, batch):
-        (loss, out), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, rest, batch,
-                                                                       balance.needs_scores)
+        if c.micro_batches == 1:
+            (loss, out), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, rest, batch,
+                                                                           balance.needs_scores)
+        else:
+            loss, out, grads = accumulated(params, rest, batch)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         model = merged(params, rest)                      # router biases as the step saw them
         update_router_biases(model, out, balance)
