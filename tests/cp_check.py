@@ -185,13 +185,14 @@ def muon_check(mesh) -> dict:
     from k3jax.parallel.hlo import collectives
     from k3jax.parallel.rules import axes_tree, shard_pure
     from k3jax.train.loop import TrainConfig, model_config
-    from k3jax.train.optim import OptimConfig, make_blockwise_optimizer, make_optimizer, muon_dims_tree, muon_plans
+    from k3jax.train.optim import (OptimConfig, make_blockwise_optimizer, make_reference_optimizer, muon_dims_tree,
+                                   muon_plans)
 
     st = nnx.state(K3ForCausalLM(model_config(TrainConfig.load(None, list(MODEL))), rngs=nnx.Rngs(0)), nnx.Param)
     params, axes, dims = nnx.to_pure_dict(st), axes_tree(st), muon_dims_tree(st)
     keys = iter(jax.random.split(jax.random.key(1), 10_000))
     grads = [jax.tree.map(lambda p: jax.random.normal(next(keys), p.shape, p.dtype), params) for _ in range(3)]
-    ref = make_optimizer(dims, 100, OptimConfig())
+    ref = make_reference_optimizer(dims, 100, OptimConfig())
     r_state, ref_updates = ref.init(params), []
     for g in grads:
         u, r_state = jax.jit(ref.update)(g, r_state, params)

@@ -221,26 +221,30 @@ def dataclass_dict(x):
 
 def test_blockwise_muon_equals_optax_muon_and_keeps_its_state_tree():
     """k3jax.train.optim.make_blockwise_optimizer (Newton–Schulz on each parameter's own axes, the layout hooks for
-    sharded meshes unset) against optax.contrib.muon through make_optimizer, on one parameter of each kind the
+    sharded meshes unset; what make_optimizer builds) against optax.contrib.muon through make_reference_optimizer,
+    on one parameter of each kind the
     model has (per-head in/out projections, per-expert matrices, a plain matrix taller than wide, an AdamW vector):
     the same state tree (checkpoints move between them) and the same updates over 3 steps of random gradients."""
     import jax
     import jax.numpy as jnp
     from optax.contrib import MuonDimensionNumbers as MDN
 
-    from k3jax.train.optim import OptimConfig, make_blockwise_optimizer, make_optimizer
+    from k3jax.train.optim import OptimConfig, make_blockwise_optimizer, make_optimizer, make_reference_optimizer
 
     shapes = {"q": (24, 3, 8), "o": (3, 8, 24), "experts": (4, 24, 12), "dense": (40, 24), "norm": (24,)}
     dims = {"q": MDN(0, 2), "o": MDN(1, 2), "experts": MDN(1, 2), "dense": MDN(0, 1), "norm": None}
     keys = iter(jax.random.split(jax.random.key(1), 100))
     params = {k: jax.random.normal(next(keys), s) for k, s in shapes.items()}
-    ref, ours = make_optimizer(dims, 100, OptimConfig()), make_blockwise_optimizer(dims, 100, OptimConfig())
-    sr, so = ref.init(params), ours.init(params)
-    assert jax.tree.structure(sr) == jax.tree.structure(so)
+    ref, ours = make_reference_optimizer(dims, 100, OptimConfig()), make_blockwise_optimizer(dims, 100, OptimConfig())
+    default = make_optimizer(dims, 100, OptimConfig())
+    sr, so, sd = ref.init(params), ours.init(params), default.init(params)
+    assert jax.tree.structure(sr) == jax.tree.structure(so) == jax.tree.structure(sd)
     for step in range(3):                                  # step 0 has learning rate 0 (warm-up)
         g = jax.tree.map(lambda p: jax.random.normal(next(keys), p.shape, p.dtype), params)
         ur, sr = jax.jit(ref.update)(g, sr, params)
         uo, so = jax.jit(ours.update)(g, so, params)
+        ud, sd = jax.jit(default.update)(g, sd, params)
+        assert all(bool(jnp.all(a == b)) for a, b in zip(jax.tree.leaves(uo), jax.tree.leaves(ud)))
         for name in shapes:
             scale = float(jnp.max(jnp.abs(ur[name])))
             assert scale > 0 or step == 0, name
@@ -297,7 +301,7 @@ def test_bf16_training_tracks_fp32_over_50_tiny_steps():
 
 def test_newton_schulz_in_bf16_tracks_optax_muon_in_fp32():
     """``optim.ns_dtype=bf16``: Newton–Schulz with bf16 operands (fp32 accumulation) through make_optimizer, against
-    optax.contrib.muon's fp32 iteration on the same gradients — the updates agree to bf16 rounding (relative error
+    optax.contrib.muon's fp32 iteration (make_reference_optimizer) on the same gradients — the updates agree to bf16 rounding (relative error
     of the whole update, measured ≤ 1.6e-2 here; bf16 has 8 mantissa bits, 3.9e-3 per rounding, five iterations),
     and the compiled update really multiplies bf16 matrices."""
     import jax
@@ -306,14 +310,15 @@ def test_newton_schulz_in_bf16_tracks_optax_muon_in_fp32():
 
     from k3jax.config import ConfigError
     from k3jax.train.loop import TrainConfig
-    from k3jax.train.optim import OptimConfig, make_optimizer
+    from k3jax.train.optim import OptimConfig, make_optimizer, make_reference_optimizer
 
     shapes = {"q": (48, 4, 16), "experts": (4, 48, 24), "dense": (80, 48), "norm": (48,)}
     dims = {"q": MDN(0, 2), "experts": MDN(1, 2), "dense": MDN(0, 1), "norm": None}
     keys = iter(jax.random.split(jax.random.key(2), 50))
     params = {k: jax.random.normal(next(keys), s) for k, s in shapes.items()}
     c = dict(warmup_steps=0, schedule="constant")
-    ref, ours = make_optimizer(dims, 10, OptimConfig(**c)), make_optimizer(dims, 10, OptimConfig(ns_dtype="bf16", **c))
+    ref = make_reference_optimizer(dims, 10, OptimConfig(**c))
+    ours = make_optimizer(dims, 10, OptimConfig(ns_dtype="bf16", **c))
     sr, so = ref.init(params), ours.init(params)
     g = jax.tree.map(lambda p: jax.random.normal(next(keys), p.shape, p.dtype), params)
     assert "bf16" in jax.jit(ours.update).lower(g, so, params).as_text()
