@@ -226,6 +226,7 @@ def t_moonep(r: dict) -> str:
         rows.append([x.get("routing"), num(mo.get("step_ms"), ",.1f"), num(mg.get("step_ms"), ",.1f"),
                      num(md.get("step_ms"), ",.1f"),
                      mo.get("recv_rows_per_rank"), mo.get("fetched_experts"), mo.get("fetch_slots", DASH),
+                     mo.get("fetch_rows", DASH),
                      num(dl.get("step_ms"), ",.1f"),
                      dl.get("recv_rows_per_rank"), times(x.get("speedup_vs_dropless")),
                      times(x.get("buffer_ratio_dropless_over_moonep")), num(cp.get("step_ms"), ",.1f"),
@@ -233,9 +234,11 @@ def t_moonep(r: dict) -> str:
     s = r.get("setup", {})
     out = (f"R={r.get('devices')} devices, S={s.get('S')} tokens/rank, E={s.get('E')}, top-{s.get('K')}, "
            f"D={s.get('D')}, I={s.get('I')}, exchange {s.get('exchange')}; step = MoE fwd+bwd, ms (median); "
-           f"fetch slots/rank: the redundant-expert slots the step ran with (of the compiled ⌈m/8⌉ and m).\n\n"
+           f"fetch slots/rank: the redundant-expert slots the step ran with (of the compiled ⌈m/8⌉ and m); fetch "
+           f"rows/home: the expert weight rows one home could send in that layout (⌈m/8⌉, or the planner's bound "
+           f"min(m + R − 1, R·slots)).\n\n"
            + table(["routing", "MoonEP ms", "MoonEP ms (gather exchange)", "MoonEP ms (dense exchange)", "MoonEP rows/rank", "fetched",
-                    "fetch slots/rank", "dropless ms", "dropless rows/rank", "speedup vs dropless", "buffer dropless/MoonEP",
+                    "fetch slots/rank", "fetch rows/home", "dropless ms", "dropless rows/rank", "speedup vs dropless", "buffer dropless/MoonEP",
                     "capacity 1.25 ms", "capacity drops", "MoonEP / capacity"], rows))
     plans = r.get("planner_R64", [])
     if plans:
@@ -438,7 +441,9 @@ def t_context_parallel(r: dict) -> str:
 def t_step_profile(r: dict) -> str:
     step = r.get("step_seconds") or 1.0
     before = r.get("before") or {}
-    out = (f"{r.get('preset')} training step, B={r.get('batch')} T={r.get('seq_len')}: "
+    micro = r.get("micro_batches") or 1
+    rows = f"{micro} micro-batches of B={r.get('batch')}" if micro > 1 else f"B={r.get('batch')}"
+    out = (f"{r.get('preset')} training step, {rows} T={r.get('seq_len')}: "
            f"{num(step, ',.3f')} s, {num(r.get('tokens_per_s'), ',.0f')} tokens/s, MFU {pct(r.get('mfu'))}"
            + (f" (before: {num(before.get('step_seconds'), ',.3f')} s, MFU {pct(before.get('mfu'))})" if before else "")
            + f"; grouped matmul `{r.get('grouped_strategy')}`; Newton–Schulz "

@@ -87,9 +87,12 @@ BENCHMARKS: dict[str, Bench] = {
                               ("--plot", "benchmarks/context_parallel.png"),
                               ("--preset", "tiny", "--seq-lens", "1024", "--contexts", "1", "2", "--run-up-to", "1024",
                                "--reps", "1", "--kda-seq-lens", "1024", "4096"), isolated=True),
-    "step_profile": Bench("step_profile", "a training step (100m) by component: embedding/head, KDA (kernel, convs, "
-                          "projections), MLA, AttnRes, router + balancing, routed/shared experts, optimizer (NS, "
-                          "AdamW); bar chart", "step_profile", ("--plot", "benchmarks/step_profile.png"),
+    "step_profile": Bench("step_profile", "a training step (100m, 8 micro-batches of 4×256) by component: "
+                          "embedding/head, KDA (kernel, convs, projections), MLA, AttnRes, router + balancing, "
+                          "routed/shared experts, optimizer (NS, AdamW); bar chart beside the stored before",
+                          "step_profile", ("--micro-batches", "8", "--reps", "3", "--before",
+                                           "benchmarks/step_profile_before.json", "--plot",
+                                           "benchmarks/step_profile.png"),
                           ("--preset", "tiny", "--reps", "1")),
     "vision": Bench("vision", "vision tower + projector (release size): ms/image at 448²/896²/1792² vs the FLOP "
                     "roofline; patch-bucket compiles and padding waste on a size mix; TTFT image+text vs text",

@@ -1,13 +1,15 @@
 """Where a training step's time goes: the step of a preset timed whole and by component, from jitted sub-steps.
 
-    .venv/bin/python -m benchmarks.step_profile [--preset 100m] [--batch 4 --seq 256] [--reps 5]
+    .venv/bin/python -m benchmarks.step_profile [--preset 100m] [--batch 4 --seq 256] [--micro-batches 1] [--reps 5]
                                                 [--grouped tiles|ragged] [--ns-dtype fp32|bf16]
                                                 [--before JSON] [--json out.json] [--plot PNG]
 
 The whole step is ``k3jax.train.loop.make_step`` (forward, backward, clip + Per-Head Muon / AdamW, Quantile
-Balancing), median of ``--reps`` after a compile. Each component is then jitted on its own, on the step's shapes
+Balancing), median of ``--reps`` after a compile; with ``--micro-batches A`` the step takes A micro-batches of
+``--batch`` rows (``TrainConfig.micro_batches``: A forward+backward passes, one optimizer update), so the
+optimizer's fixed cost is spread over A·B·T tokens as in training with a larger global batch. Each component is then jitted on its own, on the step's shapes
 and the model's own parameters, and timed forward and forward+backward (``jax.vjp`` with a random cotangent: the
-gradients of its parameters and inputs); a component's time in the step is its count × its fwd+bwd time:
+gradients of its parameters and inputs); a component's time in the step is its count (× A for the model's components) × its fwd+bwd time:
 
 * embedding lookup + final norm + LM head + cross entropy; the RMSNorms before attention and FFN;
 * KDA, split into its chunked kernel (``kda_chunked`` on q, k, v, g, β of the step's shapes), its three short
@@ -143,8 +145,10 @@ def ns_flops(shape: tuple[int, ...], dims, steps: int = 5) -> int:
     return batch * steps * (4 * m * m * n + 2 * m ** 3)
 
 
-def profile(preset: str, B: int, T: int, reps: int, grouped: str | None = None, ns_dtype: str = "fp32") -> dict:
-    c = TrainConfig(model=preset, batch_size=B, seq_len=T, steps=100, optim=OptimConfig(ns_dtype=ns_dtype))
+def profile(preset: str, B: int, T: int, reps: int, grouped: str | None = None, ns_dtype: str = "fp32",
+            micro: int = 1) -> dict:
+    c = TrainConfig(model=preset, batch_size=B * micro, micro_batches=micro, seq_len=T, steps=100,
+                    optim=OptimConfig(ns_dtype=ns_dtype))
     cfg = model_config(c)
     docs, info = stdlib_corpus(400_000)
     data = Dataset(docs, info, ByteTokenizer(), T)
@@ -162,7 +166,8 @@ def profile(preset: str, B: int, T: int, reps: int, grouped: str | None = None, 
         opt = make_optimizer(dims, c.steps, c.optim)
         ost = opt.init(params)
         step, _ = make_step(g, p_st, r_st, opt, c, cfg)
-        batch = {k: jnp.asarray(v) for k, v in data.train_batch(0, B).items()}
+        batch = {k: jnp.asarray(v) for k, v in data.train_batch(0, B).items()}      # one micro-batch's rows
+        step_batch = {k: jnp.asarray(v) for k, v in data.train_batch(0, B * micro).items()}
         state = [params, rest, ost]
 
         def run_step(b):
@@ -170,14 +175,14 @@ def profile(preset: str, B: int, T: int, reps: int, grouped: str | None = None, 
             state[:3] = out[:3]
             return out[3]["loss"]
 
-        print(f"{preset}: compiling and timing the whole step (B={B}, T={T}) …", flush=True)
-        t_compile, t_step = _median_time(run_step, (batch,), reps)
+        print(f"{preset}: compiling and timing the whole step ({micro} × B={B}, T={T}) …", flush=True)
+        t_compile, t_step = _median_time(run_step, (step_batch,), reps)
         comps: list[dict] = []
 
         def add(name: str, group: str, count: int, f, args, backward: bool = True, **extra):
             r = time_component(f, args, reps, backward)
-            r.update(name=name, group=group, count=count, **extra)
-            r["step_s"] = count * r["forward_backward_s"]
+            r.update(name=name, group=group, count=count * micro, **extra)
+            r["step_s"] = count * micro * r["forward_backward_s"]
             comps.append(r)
             print(f"  {name:<48} ×{count:<3} fwd {r['forward_s'] * 1e3:8.2f} ms  fwd+bwd "
                   f"{r['forward_backward_s'] * 1e3:8.2f} ms", flush=True)
@@ -226,7 +231,8 @@ def profile(preset: str, B: int, T: int, reps: int, grouped: str | None = None, 
                        lambda w, u: sum(causal_conv1d(u * (j + 1), w)[0] for j in range(3)), (wc, u))
             restr = {key: whole[key] - kern[key] - conv[key] for key in ("forward_s", "forward_backward_s")}
             comps.append({**restr, "name": "KDA projections, gates, norms (layer − kernel − convs)", "group": "KDA",
-                          "count": n_kda, "step_s": n_kda * restr["forward_backward_s"], "derived": True})
+                          "count": n_kda * micro, "step_s": n_kda * micro * restr["forward_backward_s"],
+                          "derived": True})
         if "mla" in kinds:
             attn = layers[kinds.index("mla")].self_attn
             p_att, f_att = _module_fn(attn)
@@ -308,9 +314,9 @@ def profile(preset: str, B: int, T: int, reps: int, grouped: str | None = None, 
     groups: dict[str, float] = {}
     for r in comps:
         groups[r["group"]] = groups.get(r["group"], 0.0) + r["step_s"]
-    return {"preset": preset, "params": int(n_params), "batch": B, "seq_len": T,
+    return {"preset": preset, "params": int(n_params), "batch": B, "micro_batches": micro, "seq_len": T,
             "grouped_strategy": grouped or prev, "step_seconds": t_step, "first_step_seconds": t_compile,
-            "tokens_per_s": B * T / t_step, "train_flops_per_token": int(fpt), "optimizer_update_seconds": t_upd,
+            "tokens_per_s": micro * B * T / t_step, "train_flops_per_token": int(fpt), "optimizer_update_seconds": t_upd,
             "newton_schulz_flops": int(nsf), "components": comps, "groups": groups,
             "attributed_seconds": attributed, "unattributed_seconds": t_step - attributed}
 
@@ -322,17 +328,24 @@ def plot(res: dict, path: str, before: dict | None = None) -> None:
     import matplotlib.pyplot as plt
 
     runs = [("before", before), ("after", res)] if before else [("", res)]
+    tokens = [r.get("micro_batches", 1) * r["batch"] * r["seq_len"] for _, r in runs]
+    per_k = len(set(tokens)) > 1          # runs of different step sizes: compare seconds per 1,000 tokens
     names = list(dict.fromkeys([*(before or {}).get("groups", {}), *res["groups"], "unattributed"]))
     fig, ax = plt.subplots(figsize=(9, 0.45 * len(names) + 1.6))
     y = np.arange(len(names))
     hgt = 0.8 / len(runs)
-    for j, (label, r) in enumerate(runs):
-        vals = [r["groups"].get(n, 0.0) if n != "unattributed" else r["unattributed_seconds"] for n in names]
-        ax.barh(y + j * hgt, vals, hgt, label=f"{label} step {r['step_seconds']:.2f} s".strip())
+    for j, ((label, r), n_tok) in enumerate(zip(runs, tokens)):
+        scale = 1000 / n_tok if per_k else 1.0
+        vals = [scale * (r["groups"].get(n, 0.0) if n != "unattributed" else r["unattributed_seconds"]) for n in names]
+        what = f"{scale * r['step_seconds']:.2f} s / 1k tokens ({n_tok:,} a step)" if per_k else \
+            f"step {r['step_seconds']:.2f} s"
+        ax.barh(y + j * hgt, vals, hgt, label=f"{label} {what}".strip())
     ax.set_yticks(y + hgt * (len(runs) - 1) / 2, names)
     ax.invert_yaxis()
-    ax.set_xlabel("seconds per training step")
-    ax.set_title(f"{res['preset']} training step by component (B={res['batch']}, T={res['seq_len']})")
+    ax.set_xlabel("seconds per 1,000 training tokens" if per_k else "seconds per training step")
+    micro = res.get("micro_batches", 1)
+    rows = f"{micro} × B={res['batch']}" if micro > 1 else f"B={res['batch']}"
+    ax.set_title(f"{res['preset']} training step by component ({rows}, T={res['seq_len']})")
     ax.legend(loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -345,6 +358,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--batch", type=int, default=None)
     ap.add_argument("--seq", type=int, default=None)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--micro-batches", type=int, default=1,
+                    help="micro-batches of --batch rows per step (gradient accumulation, one optimizer update)")
     ap.add_argument("--grouped", default=None, help="grouped-matmul strategy of the routed experts (tiles | ragged)")
     ap.add_argument("--ns-dtype", default="fp32", choices=sorted(NS_DTYPES),
                     help="Muon's Newton–Schulz operands (optim.ns_dtype)")
@@ -357,7 +372,7 @@ def main(argv: list[str] | None = None) -> dict:
     peak = gemm_peak_flops(2048)
     res = {"benchmark": "step_profile", "backend": jax.default_backend(), "jax": jax.__version__,
            "gemm_peak_flops": peak, "ns_dtype": a.ns_dtype,
-           **profile(a.preset, B, T, a.reps, a.grouped, a.ns_dtype)}
+           **profile(a.preset, B, T, a.reps, a.grouped, a.ns_dtype, a.micro_batches)}
     res["mfu"] = res["tokens_per_s"] * res["train_flops_per_token"] / peak
     print(f"step {res['step_seconds']:.3f} s, {res['tokens_per_s']:,.0f} tokens/s, MFU {res['mfu']:.1%} "
           f"(GEMM peak {peak / 1e9:.0f} GFLOP/s); attributed {res['attributed_seconds']:.3f} s, unattributed "
@@ -366,8 +381,9 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"  {name:<28} {s:8.3f} s  {s / res['step_seconds']:6.1%}")
     before = json.loads(Path(a.before).read_text()) if a.before else None
     if before:
-        res["before"] = {k: before[k] for k in ("step_seconds", "groups", "unattributed_seconds", "mfu",
-                                                "grouped_strategy") if k in before}
+        res["before"] = {k: before[k] for k in ("step_seconds", "groups", "unattributed_seconds", "mfu", "batch",
+                                                "seq_len", "micro_batches", "tokens_per_s", "grouped_strategy")
+                         if k in before}
     if a.plot:
         plot(res, a.plot, before)
         res["plot"] = a.plot

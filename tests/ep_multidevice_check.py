@@ -33,6 +33,11 @@ def routing(kind, N, E, K, R, rng):
         logit += np.log(1.0 / np.arange(1, E + 1) ** 1.5)[None, :] * 3
     elif kind == "balanced":
         return np.stack([(np.arange(K) + i * K) % E for i in range(N)])
+    elif kind == "one_fill":       # balanced, then 8 pairs of the last rank's experts moved to expert 0 (rank 0):
+        idx = np.stack([(np.arange(K) + i * K) % E for i in range(N)])   # one redundant expert, one row sent
+        hit = np.argwhere(idx == E - 1)[:8]
+        idx[hit[:, 0], hit[:, 1]] = 0
+        return idx
     return np.argsort(-logit, 1)[:, :K]
 
 
@@ -66,7 +71,7 @@ def main():
 
             eps[mname, method] = (jax.jit(ep), jax.jit(jax.grad(lambda *a, ep=ep: jnp.sum(jnp.sin(ep(*a)[0])),
                                                                argnums=(0, 1, 2, 3, 4))))
-    for kind in ["random", "one_expert", "one_rank", "zipf", "balanced"]:
+    for kind in ["random", "one_expert", "one_rank", "zipf", "balanced", "one_fill"]:
         idx = jnp.asarray(routing(kind, N, E, K, 8, rng), jnp.int32)
         ref_y = ref_fwd(z, w, *ws, idx)
         ref_g = ref_grad(z, w, *ws, idx)
@@ -79,6 +84,7 @@ def main():
                                  "fetched": np.asarray(st["fetched_experts"]).tolist(),
                                  "fills": np.asarray(st["fills"]).tolist(),
                                  "fetch_slots": np.asarray(st["fetch_slots"]).tolist(),
+                                 "fetch_rows": np.asarray(st["fetch_rows"]).tolist(),
                                  "overflow": np.asarray(st["overflow"]).tolist()})
     out["two_hop"] = two_hop_cases(rng)
     print(json.dumps(out))

@@ -130,5 +130,7 @@ def test_training_mesh_must_split_the_sequence_and_batch():
         TrainConfig.load(None, ["mesh=context=8", "seq_len=100"])
     with pytest.raises(ConfigError, match=r"batch_size=3 does not split over data×fsdp=2"):
         TrainConfig.load(None, ["mesh=data=2,context=2", "batch_size=3"])
+    with pytest.raises(ConfigError, match=r"batch_size=4 does not split over data×fsdp=2 × micro_batches=4"):
+        TrainConfig.load(None, ["mesh=data=2,context=2", "batch_size=4", "micro_batches=4"])
     with pytest.raises(ConfigError, match=r"unknown axis 'time'"):
         TrainConfig.load(None, ["mesh=time=2"])

@@ -23,7 +23,7 @@ def ep_results():
 def test_expert_parallel_moe_equals_single_device(ep_results):
     assert ep_results["devices"] == 8
     cases = ep_results["cases"]
-    assert {c["routing"] for c in cases} == {"random", "one_expert", "one_rank", "zipf", "balanced"}
+    assert {c["routing"] for c in cases} == {"random", "one_expert", "one_rank", "zipf", "balanced", "one_fill"}
     for c in cases:
         assert c["y_rel"] <= 1e-5 and c["grad_rel"] <= 1e-5, c
         R = 8 if c["mesh"] == "expert=8" else 4
@@ -34,15 +34,25 @@ def test_expert_parallel_moe_equals_single_device(ep_results):
             assert max(c["fills"]) <= R - 1
             if c["routing"] == "balanced":
                 assert max(c["fetched"]) == 0 and max(c["fills"]) == 0        # nothing to move, nothing fetched
-    # MoonEP ran both of its compiled fetch sizes, ⌈m/8⌉ = 1 slot and the planner's bound m (m = 32/R experts per
-    # rank), each checked against the single device above: on data=2,expert=4 (m = 8) the concentrated routings
-    # need more than one redundant expert on some rank, the balanced one none
-    slots = {(c["mesh"], c["routing"]): c["fetch_slots"] for c in cases if c["method"] == "moonep"}
-    for (mesh, routing), s in slots.items():
-        m = 32 // (8 if mesh == "expert=8" else 4)
-        assert len(set(s)) == 1 and s[0] in (1, m), (mesh, routing, s)
-    assert {s[0] for (mesh, _), s in slots.items() if mesh == "data=2,expert=4"} == {1, 8}, slots
-    assert slots[("data=2,expert=4", "balanced")][0] == 1, slots
+    # MoonEP ran each of its compiled fetch layouts (k3jax.parallel.ep.fetch_layouts: ⌈m/8⌉ = 1 slot with one
+    # weight row or the planner's bound of rows per home, and m slots; m = 32/R experts per rank), each checked
+    # against the single device above: on data=2,expert=4 (m = 8) the concentrated routings need more than one
+    # redundant expert on some rank, the others one slot; one_fill's single redundant expert (one row from one
+    # home) runs the smallest layout with a real fetch
+    from k3jax.parallel.ep import fetch_layouts
+
+    layout = {(c["mesh"], c["routing"]): (c["fetch_slots"], c["fetch_rows"]) for c in cases if c["method"] == "moonep"}
+    for (mesh, routing), (s, rows) in layout.items():     # per rank; the ranks of one expert group agree
+        R = 8 if mesh == "expert=8" else 4
+        for g in range(0, 8, R):
+            assert len(set(zip(s[g:g + R], rows[g:g + R]))) == 1, (mesh, routing, s, rows)
+        assert set(zip(s, rows)) <= set(fetch_layouts(32 // R, R, two_hop=True)), (mesh, routing, s, rows)
+    ran = {pair for (mesh, _), (s, rows) in layout.items() if mesh == "data=2,expert=4" for pair in zip(s, rows)}
+    assert ran == set(fetch_layouts(8, 4, two_hop=True)) == {(1, 1), (1, 4), (8, 11)}, layout
+    assert layout[("data=2,expert=4", "one_fill")] == ([1] * 8, [1] * 8)
+    one_fill = [c for c in cases if c["routing"] == "one_fill" and c["method"] == "moonep" and c["mesh"] == "expert=8"]
+    assert one_fill[0]["fetched"] == [1] * 8 and layout[("expert=8", "one_fill")] == ([1] * 8, [1] * 8)
+    assert layout[("data=2,expert=4", "balanced")][0][0] == 1, layout
 
 
 @pytest.mark.slow

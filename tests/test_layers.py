@@ -11,7 +11,8 @@ from k3jax import K3Config
 from k3jax.nn.layers import KeyGen
 from k3jax.nn.moe import MoE, activation
 from k3jax.ops.attnres import attnres_mix
-from k3jax.ops.grouped import GROUPED_STRATEGIES, choose_tile, grouped_matmul, moe_grouped, moe_per_token, tile_count
+from k3jax.ops.grouped import (GROUPED_STRATEGIES, choose_tile, grouped_matmul, moe_grouped, moe_per_token,
+                               padded_caps, resolve_strategy, tile_count)
 from k3jax.ops.routing import router_topk
 from k3jax.ops.situ import situ_glu, situ_glu_reference
 
@@ -122,10 +123,12 @@ def test_dropless_grouped_matches_per_token(rng, mode, strategy):
         assert float(jnp.max(jnp.abs(g - g_ref))) <= 1e-5 * float(jnp.max(jnp.abs(g_ref))), name
 
 
-@pytest.mark.parametrize("tile", [8, 16, None])
-def test_tiled_grouped_matmul_equals_per_group_numpy(rng, tile):
+@pytest.mark.parametrize("strategy,tile", [("tiles", 8), ("tiles", 16), ("tiles", None), ("padded", None)])
+def test_grouped_matmul_equals_per_group_numpy(rng, strategy, tile):
     # adversarial group sizes: empty groups (first, middle, last), one group with every row, sizes that are and
-    # are not multiples of the tile, and Σ sizes < M (the rows past the groups must come back as zeros)
+    # are not multiples of the tile, and Σ sizes < M (the rows past the groups must come back as zeros). "padded"
+    # (capacities 8 and 16 here, padded_caps(40, 7)) runs each of its branches: largest group ≤ 8 ([1]*7), ≤ 16
+    # (the first and fourth), and past both (one group with every row: the tiles)
     M, D, I, G = 40, 6, 5, 7
     x = rng.normal(size=(M, D))
     w = rng.normal(size=(G, D, I))
@@ -135,7 +138,8 @@ def test_tiled_grouped_matmul_equals_per_group_numpy(rng, tile):
         g = np.repeat(np.arange(G), sizes)
         want = np.zeros((M, I))
         want[:len(g)] = np.einsum("md,mdi->mi", x[:len(g)], w[g])
-        f = lambda x_, w_: grouped_matmul(x_, w_, jnp.asarray(sizes, jnp.int32), tile=tile)  # noqa: E731
+        f = lambda x_, w_: grouped_matmul(x_, w_, jnp.asarray(sizes, jnp.int32), strategy=strategy,  # noqa: E731
+                                          tile=tile)
         y, pull = jax.vjp(f, jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32))
         np.testing.assert_allclose(np.asarray(y), want, atol=1e-5, err_msg=str(sizes))
         dx, dw = pull(jnp.asarray(dy, jnp.float32))
@@ -153,6 +157,10 @@ def test_tiled_grouped_matmul_equals_per_group_numpy(rng, tile):
 def test_tile_choice_bounds_the_padding():
     # few large groups get large tiles, many small groups small ones; the static tile count covers any sizes
     assert choose_tile(2048, 16, 256, 1536) > choose_tile(2048, 224, 64, 96)
+    # "auto": padded capacities for few large groups (the 100m preset's), tiles for many small ones (a MoonEP rank)
+    assert padded_caps(40, 7) == (8, 16) and padded_caps(2048, 16) == (160, 256)
+    assert resolve_strategy(None, 2048, 16) == "padded" and resolve_strategy("auto", 2048, 224) == "tiles"
+    assert resolve_strategy("auto", 4, 16) == "tiles" and resolve_strategy("ragged", 2048, 16) == "ragged"
     for M, G, t in ((2048, 16, 128), (2048, 224, 8), (40, 7, 16)):
         worst = sum(-(-s // t) for s in [1] * (G - 1) + [M - (G - 1)])   # G−1 groups of one row, one of the rest
         assert worst <= tile_count(M, G, t)

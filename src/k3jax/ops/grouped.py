@@ -1,8 +1,14 @@
 """Dropless routed-expert FFN: grouped matmul on tokens sorted by expert, and a per-token reference.
 
-Two grouped-matmul strategies (:data:`GROUPED_STRATEGIES`), the same arithmetic:
+Grouped-matmul strategies (:data:`GROUPED_STRATEGIES`), the same arithmetic; ``"auto"`` (the default) takes
+``"padded"`` for few large groups and ``"tiles"`` for many small ones (:func:`resolve_strategy`):
 
-* ``"tiles"`` (the default): the sorted rows are laid out in tiles of ``t`` rows, each group padded to whole tiles,
+* ``"padded"``: each group's rows in a ``[G, C, D]`` box of capacity C, one batched GEMM per weight with the
+  weights as they are (no per-tile weight copies). C is the smallest of :func:`padded_caps` (1.25× and 2× the
+  mean group) that holds the largest group, chosen at run time by ``lax.switch``; a batch with a larger group
+  runs the tiles — dropless either way. The 100m preset's routed experts (2048 rows, 16 groups, fwd+bwd): 34 ms
+  against 77 ms for the tiles and 19–24 ms for a perfectly balanced dense batched GEMM (2 cores).
+* ``"tiles"``: the sorted rows are laid out in tiles of ``t`` rows, each group padded to whole tiles,
   so every tile belongs to one group; one batched GEMM multiplies each tile by its group's weight. The tile count
   has the static bound ``⌊(M + G·(t−1)) / t⌋`` (every group wastes at most ``t−1`` rows), so the FLOPs are
   ``(M + G·(t−1))/M`` of the exact grouped product at worst; :func:`choose_tile` picks ``t`` from ``M``, ``G`` and
@@ -48,8 +54,63 @@ def moe_grouped(x: jax.Array, idx: jax.Array, weights: jax.Array, w_gate: jax.Ar
     return jnp.zeros((N, x.shape[-1]), f).at[tok].add(out.astype(f) * wsorted[:, None])
 
 
-GROUPED_STRATEGIES = ("tiles", "ragged")
-DEFAULT_STRATEGY = "tiles"
+GROUPED_STRATEGIES = ("auto", "padded", "tiles", "ragged")
+DEFAULT_STRATEGY = "auto"
+
+
+def padded_caps(M: int, G: int) -> tuple[int, ...]:
+    """The per-group capacities the ``"padded"`` strategy compiles for ``M`` rows in ``G`` groups: 1.25× and 2×
+    the mean group (rounded up to 8 rows), below ``M``; a batch whose largest group exceeds them all runs the
+    tiles instead (any sizes, bounded padding)."""
+    caps = []
+    for f in (1.25, 2.0):
+        c = -(-int(-(-f * M // G)) // 8) * 8
+        if c < M and c not in caps:
+            caps.append(c)
+    return tuple(caps)
+
+
+def resolve_strategy(strategy: str | None, M: int, G: int) -> str:
+    """``"auto"`` (the default) → ``"padded"`` when the groups average ≥ 32 rows (few large experts: the 100m
+    preset's 2048 rows in 16 groups), else ``"tiles"`` (many small groups: a MoonEP rank's 224, a decode step)."""
+    strategy = _check_strategy(strategy)
+    if strategy == "auto":
+        return "padded" if M >= 32 * G and padded_caps(M, G) else "tiles"
+    return strategy
+
+
+def _padded_layout(sizes: jax.Array, M: int, C: int) -> tuple[jax.Array, jax.Array]:
+    """Rows sorted into groups of ``sizes [G]`` in a ``[G, C]`` box (each group's rows first, then zeros):
+    ``src [G·C]`` the row at each box position (``M`` = empty) and ``dest [M]`` each row's box position (``G·C``
+    for rows past the groups). Every group must hold ≤ C rows."""
+    G = sizes.shape[0]
+    sizes = sizes.astype(jnp.int32)
+    end = jnp.cumsum(sizes)
+    start = end - sizes
+    r = jnp.arange(M, dtype=jnp.int32)
+    g = jnp.minimum(_count_le(end, M), G - 1)
+    dest = jnp.where(r < end[-1], g * C + (r - start[g]), G * C).astype(jnp.int32)
+    src = jnp.full((G * C,), M, jnp.int32).at[dest].set(r, mode="drop")
+    return src, dest
+
+
+def _padded(fn, xs: jax.Array, sizes: jax.Array, C: int) -> jax.Array:
+    """``fn`` (``[G, C, D] → [G, C, ·]``, group g through expert g) on the rows laid out by :func:`_padded_layout`,
+    back in row order ``[M, ·]``."""
+    G = sizes.shape[0]
+    src, dest = _padded_layout(sizes, xs.shape[0], C)
+    xb = jnp.take(xs, src, axis=0, mode="fill", fill_value=0).reshape(G, C, xs.shape[1])
+    y = fn(xb)
+    return jnp.take(y.reshape(G * C, y.shape[-1]), dest, axis=0, mode="fill", fill_value=0)
+
+
+def _by_capacity(sizes: jax.Array, M: int, G: int, padded_fn, tiles_fn, operands: tuple) -> jax.Array:
+    """``padded_fn(C, *operands)`` with the smallest of :func:`padded_caps` that holds the largest group, else
+    ``tiles_fn(*operands)`` — chosen at run time by ``lax.switch`` (one branch runs, forward and backward)."""
+    caps = padded_caps(M, G)
+    index = jnp.sum(jnp.max(sizes) > jnp.asarray(caps, jnp.int32)).astype(jnp.int32)
+    branches = [lambda ops, C=C: padded_fn(C, *ops) for C in caps] + [lambda ops: tiles_fn(*ops)]
+    return jax.lax.switch(index, branches, operands)
 
 
 def choose_tile(M: int, G: int, D: int, I: int) -> int:
@@ -128,14 +189,25 @@ def grouped_matmul(xs: jax.Array, w: jax.Array, sizes: jax.Array, *, strategy: s
     """``y_r = x_r W_{g(r)}`` for rows ``xs [M, D]`` sorted into consecutive groups of ``sizes [G]`` (Σ ≤ M; rows
     past the groups give 0), ``w [G, D, I]`` → ``[M, I]`` (what ``jax.lax.ragged_dot`` computes). ``strategy``:
     one of :data:`GROUPED_STRATEGIES`; ``tile``: the tile rows of ``"tiles"`` (default :func:`choose_tile`)."""
-    strategy = _check_strategy(strategy)
     out_dtype = preferred_element_type or jnp.result_type(xs.dtype, w.dtype)
-    if strategy == "ragged":
-        return jax.lax.ragged_dot(xs, w, sizes, precision=HIGHEST, preferred_element_type=out_dtype)
     M, D = xs.shape
     G, _, I = w.shape
-    xt, group, dest = _to_tiles(xs, sizes, tile or choose_tile(M, G, D, I))
-    return _from_tiles(_tiled_dot(xt, w, group, out_dtype), dest)
+    strategy = resolve_strategy(strategy, M, G)
+    if strategy == "ragged":
+        return jax.lax.ragged_dot(xs, w, sizes, precision=HIGHEST, preferred_element_type=out_dtype)
+
+    def tiles(xs, w):
+        xt, group, dest = _to_tiles(xs, sizes, tile or choose_tile(M, G, D, I))
+        return _from_tiles(_tiled_dot(xt, w, group, out_dtype), dest)
+
+    if strategy == "tiles":
+        return tiles(xs, w)
+
+    def padded(C, xs, w):
+        return _padded(lambda xb: jnp.einsum("gcd,gdi->gci", xb, w.astype(xb.dtype), precision=HIGHEST,
+                                             preferred_element_type=out_dtype), xs, sizes, C)
+
+    return _by_capacity(sizes, M, G, padded, tiles, (xs, w))
 
 
 def _check_strategy(strategy: str | None) -> str:
@@ -152,18 +224,32 @@ def grouped_ffn(xs: jax.Array, sizes: jax.Array, w_gate: jax.Array, w_up: jax.Ar
 
     ``"tiles"`` lays the rows out once (:func:`tile_layout`) and runs all three products and the activation
     in the tiled layout (padding rows are zeros and are never read back)."""
-    strategy = _check_strategy(strategy)
     f = acc_dtype(xs)
+    M, D = xs.shape
+    G, _, I = w_gate.shape
+    strategy = resolve_strategy(strategy, M, G)
     if strategy == "ragged":
         h = act(jax.lax.ragged_dot(xs, w_gate, sizes, precision=HIGHEST),
                 jax.lax.ragged_dot(xs, w_up, sizes, precision=HIGHEST))
         return jax.lax.ragged_dot(h, w_down, sizes, precision=HIGHEST, preferred_element_type=f)
-    M, D = xs.shape
-    G, _, I = w_gate.shape
-    xt, group, dest = _to_tiles(xs, sizes, tile or choose_tile(M, G, D, 3 * I))
     dt = jnp.result_type(xs.dtype, w_gate.dtype)
-    h = act(_tiled_dot(xt, w_gate, group, dt), _tiled_dot(xt, w_up, group, dt))
-    return _from_tiles(_tiled_dot(h, w_down, group, f), dest)
+
+    def tiles(xs, w_gate, w_up, w_down):
+        xt, group, dest = _to_tiles(xs, sizes, tile or choose_tile(M, G, D, 3 * I))
+        h = act(_tiled_dot(xt, w_gate, group, dt), _tiled_dot(xt, w_up, group, dt))
+        return _from_tiles(_tiled_dot(h, w_down, group, f), dest)
+
+    if strategy == "tiles":
+        return tiles(xs, w_gate, w_up, w_down)
+
+    def padded(C, xs, w_gate, w_up, w_down):
+        def ffn(xb):
+            ein = lambda a, w, out: jnp.einsum("gcd,gdi->gci", a, w.astype(a.dtype), precision=HIGHEST,  # noqa: E731
+                                               preferred_element_type=out)
+            return ein(act(ein(xb, w_gate, dt), ein(xb, w_up, dt)), w_down, f)
+        return _padded(ffn, xs, sizes, C)
+
+    return _by_capacity(sizes, M, G, padded, tiles, (xs, w_gate, w_up, w_down))
 
 
 def moe_per_token(x: jax.Array, idx: jax.Array, weights: jax.Array, w_gate: jax.Array, w_up: jax.Array,

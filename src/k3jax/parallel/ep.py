@@ -201,22 +201,24 @@ def _fetch_weights(ws: tuple[jax.Array, ...], fetch: jax.Array, axis: str, R: in
     return tuple(flat[:, a:b].reshape(-1, *w.shape[1:]) for w, a, b in zip(ws, cuts[:-1], cuts[1:]))
 
 
-def _fetch_weights_two_hop(ws: tuple[jax.Array, ...], fetch: jax.Array, axis: str,
-                           R: int) -> tuple[tuple[jax.Array, ...], jax.Array]:
+def _fetch_weights_two_hop(ws: tuple[jax.Array, ...], fetch: jax.Array, axis: str, R: int,
+                           M_in: int | None = None) -> tuple[tuple[jax.Array, ...], jax.Array]:
     """:func:`_fetch_weights` as a two-hop exchange (:mod:`k3jax.parallel.exchange`): home o sends the rows
     ``(u, j)`` with ``fetch[u, j]`` one of its experts, in (u, j) order — at most m + R − 2 of them, since the
     planner's fills from one donor cut its home experts in one pass and only a cut expert goes to two receivers
     (and at most (R−1)·F for F slots per rank). Each receiver's slots all come from the one donor that filled
     it, so hop 2 needs ⌈F/R⌉ rows per pair, and its fetched experts (a prefix of ``fetch[u]``, increasing id, so
     by home then slot) arrive in slot order. Moves ≈ 2·F rows per rank where the ``all_gather`` moves E.
-    ``fetch [R, F]``; returns ``(fetched weights [F, ...] each, overflow)``."""
+    ``fetch [R, F]``; ``M_in``: the rows a home may send (default the bound above; a smaller one that
+    :func:`fetch_sends` shows to hold shrinks hop 1 to ⌈M_in/R⌉ rows per pair). Returns ``(fetched weights
+    [F, ...] each, overflow)``."""
     m = ws[0].shape[0]
     F = fetch.shape[1]
     r = jax.lax.axis_index(axis)
     flat = fetch.reshape(-1)
     home = jnp.where(flat >= 0, flat // m, R)                            # [R·F], R = empty slot
-    T = jnp.zeros((R + 1, R), jnp.int32).at[home, jnp.arange(R * F) // F].add(1)[:R]   # [home, receiver]
-    M_in = min(m + R - 1, R * F)
+    T = fetch_sends(fetch, m, R)                                         # [home, receiver]
+    M_in = min(m + R - 1, R * F) if M_in is None else M_in
     mine = jnp.argsort(jnp.where(home == r, 0, 1), stable=True)[:M_in]   # my entries in (u, j) order
     n_mine = T[r].sum()
     src = jnp.where(jnp.arange(M_in) < n_mine, flat[mine] % m, m)       # m = no row
@@ -235,6 +237,15 @@ def _fetch_weights_two_hop(ws: tuple[jax.Array, ...], fetch: jax.Array, axis: st
             out.append(got[:, a:b].reshape(F, *w.shape[1:]))
             a = b
     return tuple(out), overflow
+
+
+def fetch_sends(fetch: jax.Array, m: int, R: int) -> jax.Array:
+    """``[R(home), R(receiver)]``: how many of each receiver's redundant slots (``fetch [R, F]``, −1 = none)
+    each home rank fills (row sums: the weight rows a home sends)."""
+    flat = fetch.reshape(-1)
+    F = fetch.shape[1]
+    home = jnp.where(flat >= 0, flat // m, R)                            # [R·F], R = empty slot
+    return jnp.zeros((R + 1, R), jnp.int32).at[home, jnp.arange(R * F) // F].add(1)[:R]
 
 
 def switch_recompute(index: jax.Array, branches, ints: tuple, floats: tuple):
@@ -269,6 +280,34 @@ def fetch_menu(m: int) -> tuple[int, ...]:
     smallest that holds every rank's fetches runs; the others cost compile time only."""
     small = max(1, -(-m // 8))
     return (small, m) if small < m else (m,)
+
+
+def fetch_layouts(m: int, R: int, two_hop: bool) -> tuple[tuple[int, int | None], ...]:
+    """The static ``(F slots per rank, M_in weight rows a home sends)`` MoonEP compiles its expert step for, in
+    order: with the two-hop fetch, each slot count of :func:`fetch_menu` with the planner's bound on what one home
+    sends (``min(m + R − 1, R·F)``), preceded for the small slot count by ``M_in = ⌈m/8⌉`` — on the routings of
+    ``benchmarks.moonep`` a home sends a few expert rows, and the bound's hop 1 moved m of them per rank
+    (2.75 MB of the 3.1 MB a rank sent at R=8, E=896). ``M_in`` None: not a two-hop fetch. The plan picks the
+    first layout that holds its fetches (:func:`fetch_layout_index`)."""
+    if not two_hop:
+        return tuple((F, None) for F in fetch_menu(m))
+    out: list[tuple[int, int | None]] = []
+    for F in fetch_menu(m):
+        bound = min(m + R - 1, R * F)
+        small = min(max(1, -(-m // 8)), bound)
+        if F < m and small < bound:
+            out.append((F, small))
+        out.append((F, bound))
+    return tuple(out)
+
+
+def fetch_layout_index(fetch: jax.Array, layouts: tuple[tuple[int, int | None], ...], m: int, R: int) -> jax.Array:
+    """The first of ``layouts`` that holds ``fetch [R, m]`` (every rank's redundant slots, the same on every rank,
+    so every rank picks the same layout): its used slots fit F and no home sends more than M_in rows."""
+    n_fetch = jnp.max(jnp.sum(fetch >= 0, axis=1))
+    n_send = jnp.max(jnp.sum(fetch_sends(fetch, m, R), axis=1))
+    fits = jnp.stack([(n_fetch <= F) & (True if M is None else n_send <= M) for F, M in layouts])
+    return jnp.argmax(fits).astype(jnp.int32)       # the last layout (the planner's bounds) always fits
 
 
 def moonep_local(z, idx, w, w1, w3, w2, *, act: Act, axis: str, exchange: str = "dense"):
@@ -307,23 +346,22 @@ def moonep_local(z, idx, w, w1, w3, w2, *, act: Act, axis: str, exchange: str = 
     experts, sizes, fetch = slots_from_alloc(pl.alloc)
     # the grouped matmul over the home experts and F redundant slots, F the smallest of fetch_menu that holds
     # every rank's fetches (the plan is the same on every rank, so all ranks take the same branch)
-    menu = fetch_menu(m)
-    n_fetch = jnp.max(jnp.sum(fetch >= 0, axis=1))
-    index = jnp.sum(n_fetch > jnp.asarray(menu[:-1], jnp.int32)).astype(jnp.int32)
+    layouts = fetch_layouts(m, R, exchange == "two_hop")
+    index = fetch_layout_index(fetch, layouts, m, R)
 
-    def experts_with(F: int):
+    def experts_with(F: int, M_in: int | None):
         def run(ints, floats):
             fetch, sizes_r = ints
             buf, w1, w3, w2 = floats
             if exchange == "two_hop":
-                fw, fetch_overflow = _fetch_weights_two_hop((w1, w3, w2), fetch[:, :F], axis, R)
+                fw, fetch_overflow = _fetch_weights_two_hop((w1, w3, w2), fetch[:, :F], axis, R, M_in)
             else:
                 fw, fetch_overflow = _fetch_weights((w1, w3, w2), fetch[:, :F], axis, R), jnp.int32(0)
             W1, W3, W2 = (jnp.concatenate([a, b.astype(a.dtype)], 0) for a, b in zip((w1, w3, w2), fw))
             return grouped_ffn(buf, sizes_r[:m + F], W1, W3, W2, act), fetch_overflow   # [S·K, D]
         return run
 
-    y_buf, fetch_overflow = switch_recompute(index, [experts_with(F) for F in menu], (fetch, sizes[r]),
+    y_buf, fetch_overflow = switch_recompute(index, [experts_with(F, M) for F, M in layouts], (fetch, sizes[r]),
                                              (buf, w1, w3, w2))
     overflow = overflow + fetch_overflow
     y_rows = jnp.take(y_buf, rslot, axis=0)                               # back in receive order
@@ -336,7 +374,8 @@ def moonep_local(z, idx, w, w1, w3, w2, *, act: Act, axis: str, exchange: str = 
     y_pairs = jnp.zeros_like(y_send).at[order].set(y_send)
     y = jnp.sum(y_pairs.reshape(S, K, -1) * w.astype(y_pairs.dtype)[..., None], axis=1)
     stats = {"fills": pl.n_fills, "fetched_experts": jnp.sum(fetch >= 0), "recv_rows": jnp.int32(Pn),
-             "fetch_slots": jnp.asarray(menu, jnp.int32)[index],
+             "fetch_slots": jnp.asarray([F for F, _ in layouts], jnp.int32)[index],
+             "fetch_rows": jnp.asarray([-1 if M is None else M for _, M in layouts], jnp.int32)[index],
              "dropped": jnp.int32(0), "overflow": overflow}
     return y, stats
 
@@ -367,7 +406,8 @@ def dropless_local(z, idx, w, w1, w3, w2, *, act: Act, axis: str, exchange: str 
     y_send = back[send_dest, j]
     y_pairs = jnp.zeros_like(y_send).at[order].set(y_send)
     y = jnp.sum(y_pairs.reshape(S, K, -1) * w.astype(y_pairs.dtype)[..., None], axis=1)
-    return y, {"fills": jnp.int32(0), "fetched_experts": jnp.int32(0), "fetch_slots": jnp.int32(0), "recv_rows": jnp.int32(R * Pn),
+    return y, {"fills": jnp.int32(0), "fetched_experts": jnp.int32(0), "fetch_slots": jnp.int32(0),
+               "fetch_rows": jnp.int32(0), "recv_rows": jnp.int32(R * Pn),
                "dropped": jnp.int32(0), "overflow": jnp.int32(0)}
 
 
@@ -395,7 +435,8 @@ def capacity_local(z, idx, w, w1, w3, w2, *, act: Act, axis: str, capacity_facto
     back = jax.lax.all_to_all(jnp.swapaxes(yo.reshape(m, R, C, -1), 0, 1), axis, 0, 0).reshape(E, C, -1)
     y_pairs = jnp.where(keep[:, None], back[jnp.minimum(e_flat, E - 1), jnp.minimum(pos, C - 1)], 0.0)
     y = jnp.sum(y_pairs.reshape(S, K, -1) * w.astype(f)[..., None], axis=1)
-    return y, {"fills": jnp.int32(0), "fetched_experts": jnp.int32(0), "fetch_slots": jnp.int32(0), "recv_rows": jnp.int32(E * C),
+    return y, {"fills": jnp.int32(0), "fetched_experts": jnp.int32(0), "fetch_slots": jnp.int32(0),
+               "fetch_rows": jnp.int32(0), "recv_rows": jnp.int32(E * C),
                "dropped": jnp.sum(~keep).astype(jnp.int32), "overflow": jnp.int32(0)}
 
 

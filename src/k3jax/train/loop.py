@@ -168,9 +168,9 @@ class TrainConfig:
                 raise ConfigError(f"training config: seq_len={self.seq_len} does not split over context="
                                   f"{sizes['context']} (mesh {self.mesh})")
             if self.batch_size % (sizes["data"] * sizes["fsdp"] * self.micro_batches):
-                raise ConfigError(f"training config: batch_size={self.batch_size} does not split over "
-                                  f"micro_batches×data×fsdp={self.micro_batches}×{sizes['data']}×{sizes['fsdp']} "
-                                  f"(mesh {self.mesh})")
+                micro = f" × micro_batches={self.micro_batches}" if self.micro_batches > 1 else ""
+                raise ConfigError(f"training config: batch_size={self.batch_size} does not split over data×fsdp="
+                                  f"{sizes['data'] * sizes['fsdp']}{micro} (mesh {self.mesh})")
         elif self.batch_size % self.micro_batches:
             raise ConfigError(f"training config: batch_size={self.batch_size} does not split into "
                               f"micro_batches={self.micro_batches} equal micro-batches")
