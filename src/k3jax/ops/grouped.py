@@ -5,9 +5,11 @@ Grouped-matmul strategies (:data:`GROUPED_STRATEGIES`), the same arithmetic; ``"
 
 * ``"padded"``: each group's rows in a ``[G, C, D]`` box of capacity C, one batched GEMM per weight with the
   weights as they are (no per-tile weight copies). C is the smallest of :func:`padded_caps` (1.25× and 2× the
-  mean group) that holds the largest group, chosen at run time by ``lax.switch``; a batch with a larger group
-  runs the tiles — dropless either way. The 100m preset's routed experts (2048 rows, 16 groups, fwd+bwd): 34 ms
-  against 77 ms for the tiles and 19–24 ms for a perfectly balanced dense batched GEMM (2 cores).
+  mean group) that holds the largest group, chosen at run time (:func:`~k3jax.ops.switch.switch_recompute`: the
+  backward recomputes the taken branch only); a batch with a larger group runs the tiles — dropless either way.
+  The 100m preset's routed experts (2048 rows, 16 groups, largest 210, fwd+bwd): 60 ms against 86 ms for the
+  tiles (19–24 ms for a perfectly balanced dense batched GEMM); its whole training step 7.7 → 5.7 s (2 cores,
+  side by side in one process).
 * ``"tiles"``: the sorted rows are laid out in tiles of ``t`` rows, each group padded to whole tiles,
   so every tile belongs to one group; one batched GEMM multiplies each tile by its group's weight. The tile count
   has the static bound ``⌊(M + G·(t−1)) / t⌋`` (every group wastes at most ``t−1`` rows), so the FLOPs are
@@ -27,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from k3jax.ops.precision import acc_dtype
+from k3jax.ops.switch import switch_recompute
 
 HIGHEST = jax.lax.Precision.HIGHEST
 Act = Callable[[jax.Array, jax.Array], jax.Array]
@@ -105,12 +108,16 @@ def _padded(fn, xs: jax.Array, sizes: jax.Array, C: int) -> jax.Array:
 
 
 def _by_capacity(sizes: jax.Array, M: int, G: int, padded_fn, tiles_fn, operands: tuple) -> jax.Array:
-    """``padded_fn(C, *operands)`` with the smallest of :func:`padded_caps` that holds the largest group, else
-    ``tiles_fn(*operands)`` — chosen at run time by ``lax.switch`` (one branch runs, forward and backward)."""
+    """``padded_fn(C, sizes, *operands)`` with the smallest of :func:`padded_caps` that holds the largest group,
+    else ``tiles_fn(sizes, *operands)`` — chosen at run time (:func:`~k3jax.ops.switch.switch_recompute`: one
+    branch runs forward, and its VJP alone backward; ``lax.switch``'s own VJP carried every branch's residuals,
+    and in the 100m training step that cost more than the padded layout saved)."""
     caps = padded_caps(M, G)
     index = jnp.sum(jnp.max(sizes) > jnp.asarray(caps, jnp.int32)).astype(jnp.int32)
-    branches = [lambda ops, C=C: padded_fn(C, *ops) for C in caps] + [lambda ops: tiles_fn(*ops)]
-    return jax.lax.switch(index, branches, operands)
+    zero = jnp.zeros((), jnp.int32)
+    branches = [lambda ints, ops, C=C: (padded_fn(C, *ints, *ops), zero) for C in caps]
+    branches.append(lambda ints, ops: (tiles_fn(*ints, *ops), zero))
+    return switch_recompute(index, branches, (sizes,), operands)[0]
 
 
 def choose_tile(M: int, G: int, D: int, I: int) -> int:
@@ -196,14 +203,14 @@ def grouped_matmul(xs: jax.Array, w: jax.Array, sizes: jax.Array, *, strategy: s
     if strategy == "ragged":
         return jax.lax.ragged_dot(xs, w, sizes, precision=HIGHEST, preferred_element_type=out_dtype)
 
-    def tiles(xs, w):
+    def tiles(sizes, xs, w):
         xt, group, dest = _to_tiles(xs, sizes, tile or choose_tile(M, G, D, I))
         return _from_tiles(_tiled_dot(xt, w, group, out_dtype), dest)
 
     if strategy == "tiles":
-        return tiles(xs, w)
+        return tiles(sizes, xs, w)
 
-    def padded(C, xs, w):
+    def padded(C, sizes, xs, w):
         return _padded(lambda xb: jnp.einsum("gcd,gdi->gci", xb, w.astype(xb.dtype), precision=HIGHEST,
                                              preferred_element_type=out_dtype), xs, sizes, C)
 
@@ -234,15 +241,15 @@ def grouped_ffn(xs: jax.Array, sizes: jax.Array, w_gate: jax.Array, w_up: jax.Ar
         return jax.lax.ragged_dot(h, w_down, sizes, precision=HIGHEST, preferred_element_type=f)
     dt = jnp.result_type(xs.dtype, w_gate.dtype)
 
-    def tiles(xs, w_gate, w_up, w_down):
+    def tiles(sizes, xs, w_gate, w_up, w_down):
         xt, group, dest = _to_tiles(xs, sizes, tile or choose_tile(M, G, D, 3 * I))
         h = act(_tiled_dot(xt, w_gate, group, dt), _tiled_dot(xt, w_up, group, dt))
         return _from_tiles(_tiled_dot(h, w_down, group, f), dest)
 
     if strategy == "tiles":
-        return tiles(xs, w_gate, w_up, w_down)
+        return tiles(sizes, xs, w_gate, w_up, w_down)
 
-    def padded(C, xs, w_gate, w_up, w_down):
+    def padded(C, sizes, xs, w_gate, w_up, w_down):
         def ffn(xb):
             ein = lambda a, w, out: jnp.einsum("gcd,gdi->gci", a, w.astype(a.dtype), precision=HIGHEST,  # noqa: E731
                                                preferred_element_type=out)

@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from k3jax.ops.switch import switch_recompute
 from k3jax.ops.grouped import grouped_ffn
 from k3jax.parallel.exchange import two_hop_exchange, two_hop_return, two_hop_route
 from k3jax.parallel.moonep import destinations, plan, rank_in_group, slots_from_alloc
@@ -246,32 +247,6 @@ def fetch_sends(fetch: jax.Array, m: int, R: int) -> jax.Array:
     F = fetch.shape[1]
     home = jnp.where(flat >= 0, flat // m, R)                            # [R·F], R = empty slot
     return jnp.zeros((R + 1, R), jnp.int32).at[home, jnp.arange(R * F) // F].add(1)[:R]
-
-
-def switch_recompute(index: jax.Array, branches, ints: tuple, floats: tuple):
-    """``lax.switch(index, branches, ints, floats)`` for branches returning ``(y, aux)`` (``aux`` integer, no
-    cotangent), differentiable in ``floats``; its backward runs the VJP of the taken branch only, recomputing
-    that branch's forward. (``lax.switch``'s own VJP keeps the residuals of every branch — zeros, at full size,
-    for those not taken — which is what choosing a small layout at run time over a worst-case one avoids.)
-    ``ints``: integer operands. Collectives inside a branch need ``index`` equal on every rank."""
-
-    @jax.custom_vjp
-    def run(index, ints, floats):
-        return jax.lax.switch(index, branches, ints, floats)
-
-    def fwd(index, ints, floats):
-        return run(index, ints, floats), (index, ints, floats)
-
-    def bwd(res, ct):
-        index, ints, floats = res
-
-        def pull(branch):
-            return lambda ct, ints, floats: jax.vjp(lambda fl: branch(ints, fl), floats, has_aux=True)[1](ct)[0]
-
-        return None, None, jax.lax.switch(index, [pull(b) for b in branches], ct[0], ints, floats)
-
-    run.defvjp(fwd, bwd)
-    return run(index, ints, floats)
 
 
 def fetch_menu(m: int) -> tuple[int, ...]:
