@@ -449,12 +449,20 @@ def t_step_profile(r: dict) -> str:
            + f"; grouped matmul `{r.get('grouped_strategy')}`; Newton–Schulz "
            f"{num((r.get('newton_schulz_flops') or 0) / 1e9, ',.1f')} GFLOP a step (not model FLOPs). Components "
            "are jitted sub-steps on the step's shapes (fwd+bwd × count); unattributed = step − their sum.\n\n")
+    tokens = micro * (r.get("batch") or 1) * (r.get("seq_len") or 1)
+    b_tokens = (before.get("micro_batches") or 1) * (before.get("batch") or 4) * (before.get("seq_len") or 256)
+    scale = tokens / b_tokens                 # the before run's seconds for this step's token count
+    if before and scale != 1:
+        out = out.replace("\n\n", f" The before column is the before run's time scaled to this step's {tokens:,} tokens "
+                          f"(it ran {b_tokens:,} a step, on the box as it was then: GEMM peak "
+                          f"{num((before.get('gemm_peak_flops') or 0) / 1e9, ',.0f')} GFLOP/s).\n\n", 1)
     groups = sorted((r.get("groups") or {}).items(), key=lambda kv: -kv[1])
-    rows = [[g, num(s, ",.3f"), pct(s / step), num((before.get("groups") or {}).get(g), ",.3f")
+    bval = lambda v, fmt: num(None if v is None else v * scale, fmt)  # noqa: E731
+    rows = [[g, num(s, ",.3f"), pct(s / step), bval((before.get("groups") or {}).get(g), ",.3f")
              if before else "—"] for g, s in groups]
     rows.append(["unattributed", num(r.get("unattributed_seconds"), "+,.3f"),
                  pct((r.get("unattributed_seconds") or 0) / step),
-                 num(before.get("unattributed_seconds"), "+,.3f") if before else "—"])
+                 bval(before.get("unattributed_seconds"), "+,.3f") if before else "—"])
     out += table(["component group", "s / step", "share", "before s"], rows)
     comp = [[c.get("name"), c.get("count"), num(c.get("forward_s", 0) * 1e3, ",.2f"),
              num(c.get("forward_backward_s", 0) * 1e3, ",.2f"), num(c.get("step_s", 0), ",.3f")]

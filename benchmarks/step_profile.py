@@ -382,8 +382,8 @@ def main(argv: list[str] | None = None) -> dict:
     before = json.loads(Path(a.before).read_text()) if a.before else None
     if before:
         res["before"] = {k: before[k] for k in ("step_seconds", "groups", "unattributed_seconds", "mfu", "batch",
-                                                "seq_len", "micro_batches", "tokens_per_s", "grouped_strategy")
-                         if k in before}
+                                                "seq_len", "micro_batches", "tokens_per_s", "grouped_strategy",
+                                                "gemm_peak_flops") if k in before}
     if a.plot:
         plot(res, a.plot, before)
         res["plot"] = a.plot
