@@ -23,6 +23,7 @@ Grouped-matmul strategies (:data:`GROUPED_STRATEGIES`), the same arithmetic; ``"
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import jax
@@ -67,7 +68,7 @@ def padded_caps(M: int, G: int) -> tuple[int, ...]:
     tiles instead (any sizes, bounded padding)."""
     caps = []
     for f in (1.25, 2.0):
-        c = -(-int(-(-f * M // G)) // 8) * 8
+        c = 8 * math.ceil(math.ceil(f * M / G) / 8)
         if c < M and c not in caps:
             caps.append(c)
     return tuple(caps)
@@ -114,9 +115,8 @@ def _by_capacity(sizes: jax.Array, M: int, G: int, padded_fn, tiles_fn, operands
     and in the 100m training step that cost more than the padded layout saved)."""
     caps = padded_caps(M, G)
     index = jnp.sum(jnp.max(sizes) > jnp.asarray(caps, jnp.int32)).astype(jnp.int32)
-    zero = jnp.zeros((), jnp.int32)
-    branches = [lambda ints, ops, C=C: (padded_fn(C, *ints, *ops), zero) for C in caps]
-    branches.append(lambda ints, ops: (tiles_fn(*ints, *ops), zero))
+    branches = [lambda ints, ops, C=C: (padded_fn(C, *ints, *ops), jnp.int32(0)) for C in caps]
+    branches.append(lambda ints, ops: (tiles_fn(*ints, *ops), jnp.int32(0)))
     return switch_recompute(index, branches, (sizes,), operands)[0]
 
 

@@ -37,8 +37,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from k3jax.ops.switch import switch_recompute
 from k3jax.ops.grouped import grouped_ffn
+from k3jax.ops.switch import switch_recompute
 from k3jax.parallel.exchange import two_hop_exchange, two_hop_return, two_hop_route
 from k3jax.parallel.moonep import destinations, plan, rank_in_group, slots_from_alloc
 
@@ -217,8 +217,8 @@ def _fetch_weights_two_hop(ws: tuple[jax.Array, ...], fetch: jax.Array, axis: st
     F = fetch.shape[1]
     r = jax.lax.axis_index(axis)
     flat = fetch.reshape(-1)
-    home = jnp.where(flat >= 0, flat // m, R)                            # [R·F], R = empty slot
-    T = fetch_sends(fetch, m, R)                                         # [home, receiver]
+    home = _fetch_homes(fetch, m, R)                                     # [R·F], R = empty slot
+    T = fetch_sends(fetch, m, R, home)                                   # [home, receiver]
     M_in = min(m + R - 1, R * F) if M_in is None else M_in
     mine = jnp.argsort(jnp.where(home == r, 0, 1), stable=True)[:M_in]   # my entries in (u, j) order
     n_mine = T[r].sum()
@@ -240,12 +240,17 @@ def _fetch_weights_two_hop(ws: tuple[jax.Array, ...], fetch: jax.Array, axis: st
     return tuple(out), overflow
 
 
-def fetch_sends(fetch: jax.Array, m: int, R: int) -> jax.Array:
-    """``[R(home), R(receiver)]``: how many of each receiver's redundant slots (``fetch [R, F]``, −1 = none)
-    each home rank fills (row sums: the weight rows a home sends)."""
+def _fetch_homes(fetch: jax.Array, m: int, R: int) -> jax.Array:
+    """The home rank of each redundant slot of ``fetch [R, F]`` (flattened ``[R·F]``; R = empty slot)."""
     flat = fetch.reshape(-1)
+    return jnp.where(flat >= 0, flat // m, R)
+
+
+def fetch_sends(fetch: jax.Array, m: int, R: int, home: jax.Array | None = None) -> jax.Array:
+    """``[R(home), R(receiver)]``: how many of each receiver's redundant slots (``fetch [R, F]``, −1 = none)
+    each home rank fills (row sums: the weight rows a home sends). ``home``: :func:`_fetch_homes`, if at hand."""
     F = fetch.shape[1]
-    home = jnp.where(flat >= 0, flat // m, R)                            # [R·F], R = empty slot
+    home = _fetch_homes(fetch, m, R) if home is None else home
     return jnp.zeros((R + 1, R), jnp.int32).at[home, jnp.arange(R * F) // F].add(1)[:R]
 
 

@@ -220,7 +220,8 @@ def make_step(graphdef, params_template, rest_template, optimizer, c: TrainConfi
     context axis when given) → loss → gradients → Muon/AdamW update →
     the router biases for the next step from this step's routing (:mod:`k3jax.train.balance`; this step routed
     with the old ones). With ``c.micro_batches`` > 1 the forward and backward run once per micro-batch and the
-    gradients are summed before the one update (see ``accumulated``). ``state_shardings`` (on a mesh): the shardings of (params, rest, opt_state); the step
+    gradients are summed before the one update (see ``accumulated``). ``state_shardings`` (on a mesh): the
+    shardings of (params, rest, opt_state); the step
     returns its new state with exactly these, so that step 2 sees the arguments step 1 saw and reuses its
     executable (an argument whose sharding changes between steps, e.g. an optimizer counter left on one device,
     makes the second step compile the whole step again).
