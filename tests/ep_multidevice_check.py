@@ -85,6 +85,7 @@ def main():
                                  "fills": np.asarray(st["fills"]).tolist(),
                                  "fetch_slots": np.asarray(st["fetch_slots"]).tolist(),
                                  "fetch_rows": np.asarray(st["fetch_rows"]).tolist(),
+                                 "box_rows": np.asarray(st["box_rows"]).tolist(),
                                  "overflow": np.asarray(st["overflow"]).tolist()})
     out["two_hop"] = two_hop_cases(rng)
     print(json.dumps(out))

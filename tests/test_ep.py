@@ -53,6 +53,18 @@ def test_expert_parallel_moe_equals_single_device(ep_results):
     one_fill = [c for c in cases if c["routing"] == "one_fill" and c["method"] == "moonep" and c["mesh"] == "expert=8"]
     assert one_fill[0]["fetched"] == [1] * 8 and layout[("expert=8", "one_fill")] == ([1] * 8, [1] * 8)
     assert layout[("data=2,expert=4", "balanced")][0][0] == 1, layout
+    # the experts ran in the padded [m + F, C] box (C = k3jax.parallel.ep.box_capacity: twice the mean home group)
+    # where every group fit, in tiles where one did not — both checked against the single device above
+    from k3jax.parallel.ep import box_capacity
+
+    box = {(c["mesh"], c["routing"]): c["box_rows"] for c in cases if c["method"] == "moonep"}
+    S_K = 256 // 8 * 4
+    for (mesh, routing), rows in box.items():
+        R = 8 if mesh == "expert=8" else 4
+        assert set(rows) <= {0, box_capacity(S_K, 32 // R)}, (mesh, routing, rows)
+    assert box[("expert=8", "balanced")] == [box_capacity(S_K, 4)] * 8 == [64] * 8
+    assert box[("data=2,expert=4", "balanced")] == [32] * 8
+    assert box[("expert=8", "zipf")] == box[("expert=8", "one_rank")] == [0] * 8   # a group over C: the tiles
 
 
 @pytest.mark.slow

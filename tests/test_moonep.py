@@ -7,13 +7,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from k3jax.parallel.moonep import PlanError, destinations, plan, plan_numpy, slots_from_alloc
+from k3jax.parallel.moonep import (PlanError, destinations, pair_counts, plan, plan_numpy, slot_index,
+                                  slots_from_alloc)
 
 plan_jit = jax.jit(plan)
 # The slot layout and the per-pair destinations under jit, as MoonEP runs them (inside the jitted step): one compile
 # per shape instead of one per primitive per shape (the hypothesis test draws many shapes)
 slots_jit = jax.jit(slots_from_alloc)
 destinations_jit = jax.jit(destinations)
+slot_index_jit, pair_counts_jit = jax.jit(slot_index), jax.jit(pair_counts)
 
 
 def routing(kind: str, R: int, E: int, S: int, K: int, seed: int) -> np.ndarray:
@@ -56,14 +58,22 @@ def check_invariants(ids: np.ndarray, E: int, p) -> None:
     assert ((fetch >= 0).sum(1) == foreign.sum(1)).all()
     seen = np.zeros((R, S * K), np.int32)
     off = np.cumsum(sizes, 1) - sizes
+    table = np.asarray(slot_index_jit(alloc))                                        # [R, E] slot of e on d
+    for d in range(R):
+        held = experts[d] >= 0
+        np.testing.assert_array_equal(table[d, experts[d, held]], np.flatnonzero(held))
+        assert (table[d, np.setdiff1d(np.arange(E), experts[d, held])] == -1).all()
+    sends = np.zeros((R, R), np.int64)
     for r in range(R):
         d, s = (np.asarray(x) for x in destinations_jit(alloc, counts, r, jnp.asarray(ids[r].ravel(), jnp.int32)))
+        sends[r] = np.bincount(d, minlength=R)
         np.add.at(seen, (d, s), 1)
         # the slot holding buffer position s: the last non-empty segment starting at or before it
         inside = (off[d] <= s[:, None]) & (s[:, None] < off[d] + sizes[d])
         assert (inside.sum(1) == 1).all()
         np.testing.assert_array_equal(experts[d, inside.argmax(1)], ids[r].ravel())   # each pair in its expert
     assert (seen == 1).all()                                                    # every slot filled exactly once
+    np.testing.assert_array_equal(np.asarray(pair_counts_jit(counts, alloc)), sends)   # T without an exchange
 
 
 @pytest.mark.parametrize("kind", ["uniform", "zipf", "one_expert", "one_rank", "balanced"])

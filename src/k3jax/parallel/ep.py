@@ -40,7 +40,7 @@ from jax.sharding import PartitionSpec as P
 from k3jax.ops.grouped import grouped_ffn
 from k3jax.ops.switch import switch_recompute
 from k3jax.parallel.exchange import two_hop_exchange, two_hop_return, two_hop_route
-from k3jax.parallel.moonep import destinations, plan, rank_in_group, slots_from_alloc
+from k3jax.parallel.moonep import destination_slots, pair_counts, plan, rank_in_group, slots_from_alloc
 
 Act = Callable[[jax.Array, jax.Array], jax.Array]
 METHODS = ("moonep", "dropless", "capacity")
@@ -132,12 +132,13 @@ def _ragged(kind: str):
     return ragged_all_to_all_dense
 
 
-def _exchange_plan(send_dest: jax.Array, R: int, axis: str):
+def _exchange_plan(send_dest: jax.Array, R: int, axis: str, T: jax.Array | None = None):
     """Offsets for a ragged exchange where this rank's rows are sorted by destination: ``(in_off, send, out_off,
-    recv, recv_in_off)``; ``T[s, d]`` (rows s sends to d) is all-gathered, a [R, R] int matrix."""
+    recv, recv_in_off)``; ``T[s, d]`` (rows s sends to d, a [R, R] int matrix) is all-gathered unless given."""
     r = jax.lax.axis_index(axis)
-    send = _bincount(send_dest, R)
-    T = jax.lax.all_gather(send, axis)                                    # [R, R]
+    if T is None:
+        T = jax.lax.all_gather(_bincount(send_dest, R), axis)             # [R, R]
+    send = T[r]
     in_off = jnp.cumsum(send) - send
     out_off = (jnp.cumsum(T, 0) - T)[r]                                   # my rows' start in each d's buffer
     recv = T[:, r]
@@ -290,6 +291,34 @@ def fetch_layout_index(fetch: jax.Array, layouts: tuple[tuple[int, int | None], 
     return jnp.argmax(fits).astype(jnp.int32)       # the last layout (the planner's bounds) always fits
 
 
+def box_capacity(S_K: int, m: int) -> int:
+    """Rows per expert slot of MoonEP's padded expert box: twice a home expert's mean group (``S·K / m`` pairs),
+    rounded up to 8. A plan whose largest group fits runs the experts as one batched GEMM per weight over a
+    ``[m + F, C]`` box (like the capacity baseline's, but nothing is dropped: a larger group runs the tiles)."""
+    return 8 * math.ceil(2 * S_K / m / 8)
+
+
+def _experts_box(C: int, m_F: int, key: jax.Array, rx: jax.Array, W1, W3, W2, act: Act, S_K: int) -> jax.Array:
+    """Received rows ``rx [S·K, D]`` through their slot's expert in a ``[m_F, C, D]`` box; ``key = slot·S·K + row
+    within the slot's group`` (every row < C). Returns the outputs in receive order."""
+    pos = (key // S_K) * C + key % S_K
+    xb = jnp.zeros((m_F * C, rx.shape[1]), rx.dtype).at[pos].set(rx).reshape(m_F, C, -1)
+    hi = jax.lax.Precision.HIGHEST
+    f = jnp.promote_types(rx.dtype, jnp.float32)
+    dt = jnp.result_type(rx.dtype, W1.dtype)
+    h = act(jnp.einsum("gcd,gdi->gci", xb, W1.astype(dt), precision=hi),
+            jnp.einsum("gcd,gdi->gci", xb, W3.astype(dt), precision=hi))
+    y = jnp.einsum("gci,gid->gcd", h, W2.astype(h.dtype), precision=hi, preferred_element_type=f)
+    return jnp.take(y.reshape(m_F * C, -1), pos, axis=0)
+
+
+def _experts_tiles(sizes: jax.Array, key: jax.Array, rx: jax.Array, W1, W3, W2, act: Act, S_K: int) -> jax.Array:
+    """:func:`_experts_box` for any group sizes: the rows in expert-segment order through :func:`grouped_ffn`."""
+    seg = (jnp.cumsum(sizes) - sizes)[key // S_K] + key % S_K
+    y = grouped_ffn(jnp.zeros_like(rx).at[seg].set(rx), sizes, W1, W3, W2, act)
+    return jnp.take(y, seg, axis=0)
+
+
 def moonep_local(z, idx, w, w1, w3, w2, *, act: Act, axis: str, exchange: str = "dense"):
     """Per-device body of the MoonEP MoE (see the module docstring). Returns ``(y [S, D] fp32, stats)``."""
     S, K = idx.shape
@@ -301,50 +330,75 @@ def moonep_local(z, idx, w, w1, w3, w2, *, act: Act, axis: str, exchange: str = 
     e_flat = idx.reshape(Pn).astype(jnp.int32)
     counts = jax.lax.all_gather(_bincount(e_flat, E), axis)               # [R, E]
     pl = plan(counts)
-    dest, slot = destinations(pl.alloc, counts, r, e_flat)
+    dest, group, row = destination_slots(pl.alloc, counts, r, e_flat)
+    key = group * Pn + row                                                # slot and row there, one int
     order = jnp.argsort(dest, stable=True)
-    send_dest = dest[order]
     send_x = jnp.take(z, order // K, axis=0)
-    in_off, send, out_off, recv, recv_in_off, back_out, T = _exchange_plan(send_dest, R, axis)
+    T = pair_counts(counts, pl.alloc)                                     # = every rank's bincount of dest
+    in_off, send, out_off, recv, recv_in_off, back_out, T = _exchange_plan(dest[order], R, axis, T)
     overflow = jnp.int32(0)
-    if exchange == "gather":   # the forward's and the return's row maps, both from the all-gathered T
+    if exchange == "gather":   # the forward's and the return's row maps, both from T
         read, back = _gather_indices(T, r, Pn)
         a2a = None
         rx = _gather_exchange(send_x, read, back, axis)
-        rslot = _take_rows(jax.lax.all_gather(slot[order], axis, tiled=True), read)
+        rkey = _take_rows(jax.lax.all_gather(key[order], axis, tiled=True), read)
     elif exchange == "two_hop":
         a2a = None
         route = two_hop_route(T, r, Pn, Pn)
         overflow = route.overflow
         rx = two_hop_exchange(send_x, route, axis, R)
-        rslot = two_hop_exchange(slot[order], route, axis, R)
+        rkey = two_hop_exchange(key[order], route, axis, R)
     else:
         a2a = _ragged(exchange)
         rx = a2a(send_x, jnp.zeros_like(send_x), in_off, send, out_off, recv, axis_name=axis)
-        rslot = a2a(slot[order], jnp.zeros_like(slot), in_off, send, out_off, recv, axis_name=axis)
-    buf = jnp.zeros_like(rx).at[rslot].set(rx)                            # expert-segment order
+        rkey = a2a(key[order], jnp.zeros_like(key), in_off, send, out_off, recv, axis_name=axis)
     experts, sizes, fetch = slots_from_alloc(pl.alloc)
-    # the grouped matmul over the home experts and F redundant slots, F the smallest of fetch_menu that holds
-    # every rank's fetches (the plan is the same on every rank, so all ranks take the same branch)
+    # The experts over the home slots and F redundant ones, F from the first of fetch_layouts that holds every
+    # rank's fetches, in a [m + F, C] box when every rank's largest group fits C, else in tiles (the plan is the
+    # same on every rank, so all ranks take the same branch). The layouts with the smallest F share their
+    # output's shape, so their weight fetch runs before the choice (differentiated as it is, its residuals are
+    # index maps); a larger F fetches inside its branch, whose backward recomputes it.
     layouts = fetch_layouts(m, R, exchange == "two_hop")
-    index = fetch_layout_index(fetch, layouts, m, R)
+    C = box_capacity(Pn, m)
+    layout = fetch_layout_index(fetch, layouts, m, R)
+    F0 = layouts[0][0]
+    n0 = sum(F == F0 for F, _ in layouts)
 
-    def experts_with(F: int, M_in: int | None):
-        def run(ints, floats):
-            fetch, sizes_r = ints
-            buf, w1, w3, w2 = floats
+    def fetch_with(F: int, M_in: int | None):
+        def run(fetch, w1, w3, w2):
             if exchange == "two_hop":
-                fw, fetch_overflow = _fetch_weights_two_hop((w1, w3, w2), fetch[:, :F], axis, R, M_in)
-            else:
-                fw, fetch_overflow = _fetch_weights((w1, w3, w2), fetch[:, :F], axis, R), jnp.int32(0)
-            W1, W3, W2 = (jnp.concatenate([a, b.astype(a.dtype)], 0) for a, b in zip((w1, w3, w2), fw))
-            return grouped_ffn(buf, sizes_r[:m + F], W1, W3, W2, act), fetch_overflow   # [S·K, D]
+                return _fetch_weights_two_hop((w1, w3, w2), fetch[:, :F], axis, R, M_in)
+            return _fetch_weights((w1, w3, w2), fetch[:, :F], axis, R), jnp.int32(0)
         return run
 
-    y_buf, fetch_overflow = switch_recompute(index, [experts_with(F, M) for F, M in layouts], (fetch, sizes[r]),
-                                             (buf, w1, w3, w2))
+    pre, pre_overflow = jax.lax.switch(jnp.minimum(layout, n0 - 1), [fetch_with(*lt) for lt in layouts[:n0]],
+                                       fetch, w1, w3, w2)
+
+    def experts_with(F: int, M_in: int | None, box: bool):
+        def run(ints, floats):
+            fetch, sizes_r, rkey = ints
+            rx, w1, w3, w2, *fw = floats
+            fetch_overflow = jnp.int32(0)
+            if not fw:
+                fw, fetch_overflow = fetch_with(F, M_in)(fetch, w1, w3, w2)
+            W = [jnp.concatenate([a, b.astype(a.dtype)], 0) for a, b in zip((w1, w3, w2), fw)]
+            if box:
+                return _experts_box(C, m + F, rkey, rx, *W, act, Pn), fetch_overflow
+            return _experts_tiles(sizes_r[:m + F], rkey, rx, *W, act, Pn), fetch_overflow
+        return run
+
+    branches = [experts_with(F0, None, box) for box in (True, False)]
+    branches += [experts_with(F, M, box) for F, M in layouts[n0:] for box in (True, False)]
+    branch = 2 * jnp.maximum(layout - n0 + 1, 0) + (jnp.max(sizes) > C).astype(jnp.int32)
+    floats = (rx, w1, w3, w2, *pre)
+
+    def ignore_pre(f):  # the larger layouts fetch their own weights
+        return lambda ints, floats: f(ints, floats[:4])
+
+    branches = branches[:2] + [ignore_pre(f) for f in branches[2:]]
+    y_rows, fetch_overflow = switch_recompute(branch, branches, (fetch, sizes[r], rkey), floats)
+    fetch_overflow = fetch_overflow + jnp.where(layout < n0, pre_overflow, 0)
     overflow = overflow + fetch_overflow
-    y_rows = jnp.take(y_buf, rslot, axis=0)                               # back in receive order
     if exchange == "two_hop":  # the return trip is the forward exchange transposed
         y_send = two_hop_return(y_rows, route, axis, R, Pn)
     elif a2a is None:
@@ -354,8 +408,9 @@ def moonep_local(z, idx, w, w1, w3, w2, *, act: Act, axis: str, exchange: str = 
     y_pairs = jnp.zeros_like(y_send).at[order].set(y_send)
     y = jnp.sum(y_pairs.reshape(S, K, -1) * w.astype(y_pairs.dtype)[..., None], axis=1)
     stats = {"fills": pl.n_fills, "fetched_experts": jnp.sum(fetch >= 0), "recv_rows": jnp.int32(Pn),
-             "fetch_slots": jnp.asarray([F for F, _ in layouts], jnp.int32)[index],
-             "fetch_rows": jnp.asarray([-1 if M is None else M for _, M in layouts], jnp.int32)[index],
+             "fetch_slots": jnp.asarray([F for F, _ in layouts], jnp.int32)[layout],
+             "fetch_rows": jnp.asarray([-1 if M is None else M for _, M in layouts], jnp.int32)[layout],
+             "box_rows": jnp.where(branch % 2 == 0, C, 0).astype(jnp.int32),
              "dropped": jnp.int32(0), "overflow": overflow}
     return y, stats
 
@@ -387,7 +442,7 @@ def dropless_local(z, idx, w, w1, w3, w2, *, act: Act, axis: str, exchange: str 
     y_pairs = jnp.zeros_like(y_send).at[order].set(y_send)
     y = jnp.sum(y_pairs.reshape(S, K, -1) * w.astype(y_pairs.dtype)[..., None], axis=1)
     return y, {"fills": jnp.int32(0), "fetched_experts": jnp.int32(0), "fetch_slots": jnp.int32(0),
-               "fetch_rows": jnp.int32(0), "recv_rows": jnp.int32(R * Pn),
+               "fetch_rows": jnp.int32(0), "box_rows": jnp.int32(0), "recv_rows": jnp.int32(R * Pn),
                "dropped": jnp.int32(0), "overflow": jnp.int32(0)}
 
 
@@ -416,7 +471,7 @@ def capacity_local(z, idx, w, w1, w3, w2, *, act: Act, axis: str, capacity_facto
     y_pairs = jnp.where(keep[:, None], back[jnp.minimum(e_flat, E - 1), jnp.minimum(pos, C - 1)], 0.0)
     y = jnp.sum(y_pairs.reshape(S, K, -1) * w.astype(f)[..., None], axis=1)
     return y, {"fills": jnp.int32(0), "fetched_experts": jnp.int32(0), "fetch_slots": jnp.int32(0),
-               "fetch_rows": jnp.int32(0), "recv_rows": jnp.int32(E * C),
+               "fetch_rows": jnp.int32(0), "box_rows": jnp.int32(0), "recv_rows": jnp.int32(E * C),
                "dropped": jnp.sum(~keep).astype(jnp.int32), "overflow": jnp.int32(0)}
 
 

@@ -163,25 +163,55 @@ def rank_in_group(idx: jax.Array, n_groups: int) -> jax.Array:
     return jnp.zeros((P_,), jnp.int32).at[order].set(jnp.arange(P_, dtype=jnp.int32) - start[srt])
 
 
-def destinations(alloc: jax.Array, counts: jax.Array, rank: jax.Array, idx: jax.Array
-                 ) -> tuple[jax.Array, jax.Array]:
-    """For the pairs of source ``rank`` — expert ids ``idx [P]`` in their local order — the destination rank and the
-    slot in that rank's S·K receive buffer (laid out in the expert-slot order of :func:`slots_from_alloc`).
+def slot_index(alloc: jax.Array) -> jax.Array:
+    """``[R, E]`` int32: the slot of expert e on rank d in :func:`slots_from_alloc`'s layout — ``e mod m`` for a
+    home expert, ``m + j`` for the j-th redundant one (by id), −1 where d holds no slot for e. A running count of
+    the foreign experts with pairs, no sort."""
+    alloc = jnp.asarray(alloc)
+    R, E = alloc.shape
+    m = E // R
+    e = jnp.arange(E, dtype=jnp.int32)[None, :]
+    is_home = (e // m) == jnp.arange(R, dtype=jnp.int32)[:, None]
+    foreign = (alloc > 0) & ~is_home
+    j = jnp.cumsum(foreign.astype(jnp.int32), axis=1) - 1
+    return jnp.where(is_home, e % m, jnp.where(foreign & (j < m), m + j, -1)).astype(jnp.int32)
+
+
+def destination_slots(alloc: jax.Array, counts: jax.Array, rank: jax.Array, idx: jax.Array
+                      ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """For the pairs of source ``rank`` — expert ids ``idx [P]`` in their local order — the destination rank, the
+    expert slot there (:func:`slot_index`) and the pair's row within that slot's group.
 
     A pair's position in expert e's global order is (pairs of e on lower source ranks) + (its rank among this
     source's pairs of e); expert e's positions are cut across destination ranks in increasing rank order."""
     alloc = jnp.asarray(alloc)
-    R, E = alloc.shape
-    P_ = idx.shape[0]
-    local_rank = rank_in_group(idx, E)
+    local_rank = rank_in_group(idx, alloc.shape[1])
     before_src = jnp.cumsum(counts, 0) - counts                                       # [R, E] exclusive over r
     pos = before_src[rank, idx] + local_rank                                          # [P]
     cum = jnp.cumsum(alloc, 0)                                                        # inclusive over d
     dest = jnp.sum(cum[:, idx] <= pos[None, :], axis=0).astype(jnp.int32)            # [P]
     start = (cum - alloc)[dest, idx]
-    experts, sizes, _ = slots_from_alloc(alloc)
+    return dest, slot_index(alloc)[dest, idx], (pos - start).astype(jnp.int32)
+
+
+def destinations(alloc: jax.Array, counts: jax.Array, rank: jax.Array, idx: jax.Array
+                 ) -> tuple[jax.Array, jax.Array]:
+    """For the pairs of source ``rank`` (see :func:`destination_slots`): the destination rank and the row in that
+    rank's S·K receive buffer, laid out in the expert-slot order of :func:`slots_from_alloc`."""
+    dest, group, row = destination_slots(alloc, counts, rank, idx)
+    _, sizes, _ = slots_from_alloc(alloc)
     seg_off = jnp.cumsum(sizes, 1) - sizes                                            # [R, 2m]
-    slot_of = jnp.argmax(experts[dest] == idx[:, None], axis=1)                      # [P]
-    slot = seg_off[dest, slot_of] + (pos - start)
-    del P_
-    return dest, slot.astype(jnp.int32)
+    return dest, (seg_off[dest, group] + row).astype(jnp.int32)
+
+
+def pair_counts(counts: jax.Array, alloc: jax.Array) -> jax.Array:
+    """``T [R(source), R(destination)]``: the pairs each source sends to each destination under ``alloc`` — the
+    overlap of source s's run of expert e's global order with destination d's cut of it, summed over e. Every
+    rank computes it from the replicated ``counts`` and plan (no exchange of the per-rank send counts)."""
+    counts = jnp.asarray(counts, jnp.int32)
+    alloc = jnp.asarray(alloc, jnp.int32)
+    s_lo = jnp.cumsum(counts, 0) - counts                                             # [s, e]
+    d_hi = jnp.cumsum(alloc, 0)                                                       # [d, e]
+    lo = jnp.maximum(s_lo[:, None, :], (d_hi - alloc)[None])
+    hi = jnp.minimum((s_lo + counts)[:, None, :], d_hi[None])
+    return jnp.sum(jnp.maximum(hi - lo, 0), axis=-1).astype(jnp.int32)
