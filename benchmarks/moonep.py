@@ -13,6 +13,8 @@ all_to_all through an intermediate rank, ≈ 2·S·K rows per rank, and the redu
 ``moonep_gather_exchange`` the previous default (one all_gather of the send rows and of every home's expert
 weights) and ``moonep_dense_exchange`` the box all_to_all — both receive R·S·K rows transiently. The MoonEP buffer
 reported is what the plan and the grouped matmul use (= a ragged exchange's buffer on GPU/TPU).
+``box_rows``: the rows per expert slot of the padded box MoonEP's experts ran in
+(``k3jax.parallel.ep.box_capacity``, twice the mean home group; 0: a group did not fit and the tiles ran).
 ``fetch_slots`` / ``fetch_rows``: the redundant-expert slots per rank and the weight rows a home may send that the
 step ran with (MoonEP compiles the fetch and the grouped matmul for ⌈m/8⌉ slots with ⌈m/8⌉ or the planner's bound
 of rows, and for m slots, m = E/R; the plan picks one: ``k3jax.parallel.ep.fetch_layouts``). ``moonep_over_capacity``: MoonEP's step over
@@ -113,6 +115,7 @@ def main(argv: list[str] | None = None) -> dict:
                                       "fetched_experts": int(np.asarray(st["fetched_experts"])[0]),
                                       "fetch_slots": int(np.asarray(st["fetch_slots"])[0]),
                                       "fetch_rows": int(np.asarray(st["fetch_rows"])[0]),
+                                      "box_rows": int(np.asarray(st["box_rows"])[0]),
                                       "overflow": int(np.asarray(st["overflow"]).sum())}
         mo, dl = row["methods"]["moonep"], row["methods"]["dropless"]
         row["buffer_ratio_dropless_over_moonep"] = dl["recv_rows_per_rank"] / mo["recv_rows_per_rank"]

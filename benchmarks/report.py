@@ -226,7 +226,7 @@ def t_moonep(r: dict) -> str:
         rows.append([x.get("routing"), num(mo.get("step_ms"), ",.1f"), num(mg.get("step_ms"), ",.1f"),
                      num(md.get("step_ms"), ",.1f"),
                      mo.get("recv_rows_per_rank"), mo.get("fetched_experts"), mo.get("fetch_slots", DASH),
-                     mo.get("fetch_rows", DASH),
+                     mo.get("fetch_rows", DASH), mo.get("box_rows", DASH),
                      num(dl.get("step_ms"), ",.1f"),
                      dl.get("recv_rows_per_rank"), times(x.get("speedup_vs_dropless")),
                      times(x.get("buffer_ratio_dropless_over_moonep")), num(cp.get("step_ms"), ",.1f"),
@@ -236,9 +236,10 @@ def t_moonep(r: dict) -> str:
            f"D={s.get('D')}, I={s.get('I')}, exchange {s.get('exchange')}; step = MoE fwd+bwd, ms (median); "
            f"fetch slots/rank: the redundant-expert slots the step ran with (of the compiled ⌈m/8⌉ and m); fetch "
            f"rows/home: the expert weight rows one home could send in that layout (⌈m/8⌉, or the planner's bound "
-           f"min(m + R − 1, R·slots)).\n\n"
+           f"min(m + R − 1, R·slots)); box rows: the rows per expert slot of the padded box the experts ran in (2× the mean "
+           f"home group; 0: a larger group ran the tiles).\n\n"
            + table(["routing", "MoonEP ms", "MoonEP ms (gather exchange)", "MoonEP ms (dense exchange)", "MoonEP rows/rank", "fetched",
-                    "fetch slots/rank", "fetch rows/home", "dropless ms", "dropless rows/rank", "speedup vs dropless", "buffer dropless/MoonEP",
+                    "fetch slots/rank", "fetch rows/home", "box rows", "dropless ms", "dropless rows/rank", "speedup vs dropless", "buffer dropless/MoonEP",
                     "capacity 1.25 ms", "capacity drops", "MoonEP / capacity"], rows))
     plans = r.get("planner_R64", [])
     if plans:
