@@ -4,8 +4,9 @@ Every device holds S tokens (``z [S, D]``, top-K ``idx``/``w [S, K]``) and its E
 ``expert`` mesh axis (R ranks) is the exchange group. Methods (same interface, same result up to drops):
 
 * ``"moonep"`` — plan (:mod:`k3jax.parallel.moonep`) from the all-gathered ``[R, E]`` counts, send each pair to
-  its planned slot, fetch ≤ E/R redundant experts' weights from their homes into static slots, one grouped matmul
-  over exactly S·K rows (2·E/R groups), and back. Gradients of fetched weights flow back to their home copy
+  its planned slot, fetch ≤ E/R redundant experts' weights from their homes into static slots, the experts over
+  exactly S·K rows (E/R home + F redundant slots: one batched GEMM per weight over a padded [slots, C] box when
+  every group fits C, :func:`box_capacity`, else the grouped matmul's tiles), and back. Gradients of fetched weights flow back to their home copy
   through the transposed exchange.
 * ``"dropless"`` — every pair to its expert's home rank; a receive buffer sized for the worst case (S·K from each
   of R sources: S·K·R rows) and a grouped matmul over it.
