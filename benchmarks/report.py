@@ -236,8 +236,8 @@ def t_moonep(r: dict) -> str:
            f"D={s.get('D')}, I={s.get('I')}, exchange {s.get('exchange')}; step = MoE fwd+bwd, ms (median); "
            f"fetch slots/rank: the redundant-expert slots the step ran with (of the compiled ⌈m/8⌉ and m); fetch "
            f"rows/home: the expert weight rows one home could send in that layout (⌈m/8⌉, or the planner's bound "
-           f"min(m + R − 1, R·slots)); box rows: the rows per expert slot of the padded box the experts ran in (2× the mean "
-           f"home group; 0: a larger group ran the tiles).\n\n"
+           f"min(m + R − 1, R·slots)); box rows: the rows per expert slot of the padded box the experts ran in "
+           f"(2× the mean home group; 0: a larger group ran the tiles).\n\n"
            + table(["routing", "MoonEP ms", "MoonEP ms (gather exchange)", "MoonEP ms (dense exchange)", "MoonEP rows/rank", "fetched",
                     "fetch slots/rank", "fetch rows/home", "box rows", "dropless ms", "dropless rows/rank", "speedup vs dropless", "buffer dropless/MoonEP",
                     "capacity 1.25 ms", "capacity drops", "MoonEP / capacity"], rows))

@@ -6,8 +6,8 @@ Every device holds S tokens (``z [S, D]``, top-K ``idx``/``w [S, K]``) and its E
 * ``"moonep"`` — plan (:mod:`k3jax.parallel.moonep`) from the all-gathered ``[R, E]`` counts, send each pair to
   its planned slot, fetch ≤ E/R redundant experts' weights from their homes into static slots, the experts over
   exactly S·K rows (E/R home + F redundant slots: one batched GEMM per weight over a padded [slots, C] box when
-  every group fits C, :func:`box_capacity`, else the grouped matmul's tiles), and back. Gradients of fetched weights flow back to their home copy
-  through the transposed exchange.
+  every group fits C, :func:`box_capacity`, else the grouped matmul's tiles), and back. Gradients of fetched
+  weights flow back to their home copy through the transposed exchange.
 * ``"dropless"`` — every pair to its expert's home rank; a receive buffer sized for the worst case (S·K from each
   of R sources: S·K·R rows) and a grouped matmul over it.
 * ``"capacity"`` — GShard-style: at most C = ⌈cf·S·K/E⌉ pairs per (source, expert); the rest are dropped
@@ -375,12 +375,12 @@ def moonep_local(z, idx, w, w1, w3, w2, *, act: Act, axis: str, exchange: str = 
     pre, pre_overflow = jax.lax.switch(jnp.minimum(layout, n0 - 1), [fetch_with(*lt) for lt in layouts[:n0]],
                                        fetch, w1, w3, w2)
 
-    def experts_with(F: int, M_in: int | None, box: bool):
+    def experts_with(F: int, M_in: int | None, box: bool, prefetched: bool):
         def run(ints, floats):
             fetch, sizes_r, rkey = ints
             rx, w1, w3, w2, *fw = floats
             fetch_overflow = jnp.int32(0)
-            if not fw:
+            if not prefetched:
                 fw, fetch_overflow = fetch_with(F, M_in)(fetch, w1, w3, w2)
             W = [jnp.concatenate([a, b.astype(a.dtype)], 0) for a, b in zip((w1, w3, w2), fw)]
             if box:
@@ -388,15 +388,10 @@ def moonep_local(z, idx, w, w1, w3, w2, *, act: Act, axis: str, exchange: str = 
             return _experts_tiles(sizes_r[:m + F], rkey, rx, *W, act, Pn), fetch_overflow
         return run
 
-    branches = [experts_with(F0, None, box) for box in (True, False)]
-    branches += [experts_with(F, M, box) for F, M in layouts[n0:] for box in (True, False)]
+    branches = [experts_with(F0, None, box, True) for box in (True, False)]
+    branches += [experts_with(F, M, box, False) for F, M in layouts[n0:] for box in (True, False)]
     branch = 2 * jnp.maximum(layout - n0 + 1, 0) + (jnp.max(sizes) > C).astype(jnp.int32)
     floats = (rx, w1, w3, w2, *pre)
-
-    def ignore_pre(f):  # the larger layouts fetch their own weights
-        return lambda ints, floats: f(ints, floats[:4])
-
-    branches = branches[:2] + [ignore_pre(f) for f in branches[2:]]
     y_rows, fetch_overflow = switch_recompute(branch, branches, (fetch, sizes[r], rkey), floats)
     fetch_overflow = fetch_overflow + jnp.where(layout < n0, pre_overflow, 0)
     overflow = overflow + fetch_overflow
