@@ -247,3 +247,46 @@ def test_mla_attention_in_query_blocks_equals_the_float64_softmax(rng):
              for q in (8, None)]
     for gb, gd in zip(*grads):
         np.testing.assert_allclose(gb, gd, atol=1e-5)
+
+
+def test_lowp_matmul_accumulates_in_fp32_both_ways_and_matches_numpy():
+    """bf16 projections (ops.precision.lowp_matmul): the forward and both backward products take bf16 operands with
+    fp32 accumulation (the products XLA:CPU runs on AMX) and equal numpy's float64 products of the same bf16
+    values, rounded once to bf16."""
+    import ml_dtypes
+
+    from k3jax.ops.precision import lowp_matmul
+
+    rng = np.random.default_rng(0)
+    bf = jnp.bfloat16
+    x = jnp.asarray(rng.normal(size=(2, 5, 6)), bf)
+    w = jnp.asarray(rng.normal(size=(6, 3, 4)), bf)
+    g = jnp.asarray(rng.normal(size=(2, 5, 3, 4)), jnp.float32)
+    y, pull = jax.vjp(lambda x, w: lowp_matmul(x, w, 1), x, w)
+    x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    g64 = np.asarray(g.astype(bf), np.float64)                       # the cotangent rounded to bf16 first
+    as_bf = lambda a: np.asarray(a, np.float64).astype(ml_dtypes.bfloat16).astype(np.float64)  # noqa: E731
+    assert y.dtype == bf
+    np.testing.assert_allclose(np.asarray(y, np.float64), as_bf(np.einsum("btd,dhk->bthk", x64, w64)), rtol=1e-2,
+                               atol=1e-2)
+    dx, dw = pull(g.astype(bf))
+    np.testing.assert_allclose(np.asarray(dx, np.float64), as_bf(np.einsum("bthk,dhk->btd", g64, w64)), rtol=1e-2,
+                               atol=1e-2)
+    np.testing.assert_allclose(np.asarray(dw, np.float64), as_bf(np.einsum("btd,bthk->dhk", x64, g64)), rtol=1e-2,
+                               atol=1e-2)
+    # every product's operands are bf16 (an fp32 × bf16 product would run at the fp32 rate)
+    closed = jax.make_jaxpr(jax.grad(lambda x, w: jnp.sum(lowp_matmul(x, w, 1).astype(jnp.float32) ** 2),
+                                     argnums=(0, 1)))(x, w)
+    eqns = [e for e in _all_eqns(closed.jaxpr) if e.primitive.name == "dot_general"]
+    assert len(eqns) >= 3                                            # the forward, dx and dw
+    assert all(v.aval.dtype == bf for e in eqns for v in e.invars), [[v.aval for v in e.invars] for e in eqns]
+
+
+def _all_eqns(jaxpr):
+    for e in jaxpr.eqns:
+        yield e
+        for v in e.params.values():
+            if hasattr(v, "jaxpr") and hasattr(v.jaxpr, "eqns"):
+                yield from _all_eqns(v.jaxpr)
+            elif hasattr(v, "eqns"):
+                yield from _all_eqns(v)

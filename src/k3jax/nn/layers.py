@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from k3jax.ops.precision import LOW_PRECISION, lowp_matmul
+
 
 class KeyGen:
     """Fresh PRNG keys for parameter init: ``keys()`` → ``fold_in(base, n)`` for n = 0, 1, 2, …
@@ -81,7 +83,10 @@ class Proj(nnx.Module):
         ins = letters[x.ndim - ni: x.ndim]
         outs = letters[x.ndim: x.ndim + no]
         # accumulated in fp32 (bf16 activations: one rounding of the fp32 sum, as accelerators' GEMMs do; on
-        # XLA:CPU a bf16 GEMM with an fp32 result also runs ~2× faster than one with a bf16 result)
+        # XLA:CPU with AMX a bf16 × bf16 → fp32 GEMM runs ~4× the fp32 rate, and lowp_matmul's backward keeps
+        # its two products in that form)
+        if x.dtype in LOW_PRECISION:
+            return lowp_matmul(x, self.kernel[...].astype(x.dtype), ni)
         acc = jnp.promote_types(x.dtype, jnp.float32)
         return jnp.einsum(f"{batch}{ins},{ins}{outs}->{batch}{outs}", x, self.kernel[...].astype(x.dtype),
                           preferred_element_type=acc).astype(x.dtype)
