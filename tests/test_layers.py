@@ -249,20 +249,20 @@ def test_mla_attention_in_query_blocks_equals_the_float64_softmax(rng):
         np.testing.assert_allclose(gb, gd, atol=1e-5)
 
 
-def test_lowp_matmul_accumulates_in_fp32_both_ways_and_matches_numpy():
-    """bf16 projections (ops.precision.lowp_matmul): the forward and both backward products take bf16 operands with
+def test_matmul_acc_accumulates_in_fp32_both_ways_and_matches_numpy():
+    """bf16 projections (ops.precision.matmul_acc): the forward and both backward products take bf16 operands with
     fp32 accumulation (the products XLA:CPU runs on AMX) and equal numpy's float64 products of the same bf16
     values, rounded once to bf16."""
     import ml_dtypes
 
-    from k3jax.ops.precision import lowp_matmul
+    from k3jax.ops.precision import matmul_acc
 
     rng = np.random.default_rng(0)
     bf = jnp.bfloat16
     x = jnp.asarray(rng.normal(size=(2, 5, 6)), bf)
     w = jnp.asarray(rng.normal(size=(6, 3, 4)), bf)
     g = jnp.asarray(rng.normal(size=(2, 5, 3, 4)), jnp.float32)
-    y, pull = jax.vjp(lambda x, w: lowp_matmul(x, w, 1), x, w)
+    y, pull = jax.vjp(lambda x, w: matmul_acc(x, w, 1), x, w)
     x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
     g64 = np.asarray(g.astype(bf), np.float64)                       # the cotangent rounded to bf16 first
     as_bf = lambda a: np.asarray(a, np.float64).astype(ml_dtypes.bfloat16).astype(np.float64)  # noqa: E731
@@ -275,11 +275,26 @@ def test_lowp_matmul_accumulates_in_fp32_both_ways_and_matches_numpy():
     np.testing.assert_allclose(np.asarray(dw, np.float64), as_bf(np.einsum("btd,bthk->dhk", x64, g64)), rtol=1e-2,
                                atol=1e-2)
     # every product's operands are bf16 (an fp32 × bf16 product would run at the fp32 rate)
-    closed = jax.make_jaxpr(jax.grad(lambda x, w: jnp.sum(lowp_matmul(x, w, 1).astype(jnp.float32) ** 2),
+    closed = jax.make_jaxpr(jax.grad(lambda x, w: jnp.sum(matmul_acc(x, w, 1).astype(jnp.float32) ** 2),
                                      argnums=(0, 1)))(x, w)
     eqns = [e for e in _all_eqns(closed.jaxpr) if e.primitive.name == "dot_general"]
     assert len(eqns) >= 3                                            # the forward, dx and dw
     assert all(v.aval.dtype == bf for e in eqns for v in e.invars), [[v.aval for v in e.invars] for e in eqns]
+
+
+def test_matmul_acc_fp32_gradients_equal_autodiff_of_the_einsum():
+    """In fp32 matmul_acc is the plain product: values and gradients equal jax's autodiff of ``jnp.einsum``."""
+    from k3jax.ops.precision import matmul_acc
+
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.normal(size=(3, 7, 8)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(8, 2, 5)), jnp.float32)
+    loss = lambda f: lambda x, w: jnp.sum(jnp.sin(f(x, w)))  # noqa: E731
+    ours = jax.value_and_grad(loss(lambda x, w: matmul_acc(x, w, 1)), argnums=(0, 1))(x, w)
+    ref = jax.value_and_grad(loss(lambda x, w: jnp.einsum("btd,dhk->bthk", x, w, precision="highest")),
+                             argnums=(0, 1))(x, w)
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
 
 
 def _all_eqns(jaxpr):

@@ -10,13 +10,12 @@ matrix each). :func:`k3jax.train.optim.muon_dims` reads these; no code infers th
 from __future__ import annotations
 
 import math
-import string
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from k3jax.ops.precision import LOW_PRECISION, lowp_matmul
+from k3jax.ops.precision import matmul_acc
 
 
 class KeyGen:
@@ -77,19 +76,9 @@ class Proj(nnx.Module):
                             muon=muon, fan_in=len(self.in_shape))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        ni, no = len(self.in_shape), len(self.out_shape)
-        letters = string.ascii_letters
-        batch = letters[: x.ndim - ni]
-        ins = letters[x.ndim - ni: x.ndim]
-        outs = letters[x.ndim: x.ndim + no]
-        # accumulated in fp32 (bf16 activations: one rounding of the fp32 sum, as accelerators' GEMMs do; on
-        # XLA:CPU with AMX a bf16 × bf16 → fp32 GEMM runs ~4× the fp32 rate, and lowp_matmul's backward keeps
-        # its two products in that form)
-        if x.dtype in LOW_PRECISION:
-            return lowp_matmul(x, self.kernel[...].astype(x.dtype), ni)
-        acc = jnp.promote_types(x.dtype, jnp.float32)
-        return jnp.einsum(f"{batch}{ins},{ins}{outs}->{batch}{outs}", x, self.kernel[...].astype(x.dtype),
-                          preferred_element_type=acc).astype(x.dtype)
+        # accumulated in fp32 (bf16 activations: one rounding of the fp32 sum, as accelerators' GEMMs do), the
+        # backward's two products in the same form (see matmul_acc)
+        return matmul_acc(x, self.kernel[...].astype(x.dtype), len(self.in_shape))
 
     @property
     def size(self) -> int:
