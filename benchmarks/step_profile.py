@@ -145,7 +145,7 @@ def ns_flops(shape: tuple[int, ...], dims, steps: int = 5) -> int:
     return batch * steps * (4 * m * m * n + 2 * m ** 3)
 
 
-def profile(preset: str, B: int, T: int, reps: int, grouped: str | None = None, ns_dtype: str = "fp32",
+def profile(preset: str, B: int, T: int, reps: int, grouped: str | None = None, ns_dtype: str = OptimConfig.ns_dtype,
             micro: int = 1) -> dict:
     c = TrainConfig(model=preset, batch_size=B * micro, micro_batches=micro, seq_len=T, steps=100,
                     optim=OptimConfig(ns_dtype=ns_dtype))
@@ -361,7 +361,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--micro-batches", type=int, default=1,
                     help="micro-batches of --batch rows per step (gradient accumulation, one optimizer update)")
     ap.add_argument("--grouped", default=None, help="grouped-matmul strategy of the routed experts (tiles | ragged)")
-    ap.add_argument("--ns-dtype", default="fp32", choices=sorted(NS_DTYPES),
+    ap.add_argument("--ns-dtype", default=OptimConfig.ns_dtype, choices=sorted(NS_DTYPES),
                     help="Muon's Newton–Schulz operands (optim.ns_dtype)")
     ap.add_argument("--before", default=None, help="a step_profile JSON to chart beside this run (before/after)")
     ap.add_argument("--plot", default=None)

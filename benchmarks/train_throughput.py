@@ -4,7 +4,8 @@
 
 One jitted step = forward + backward + Per-Head Muon/AdamW update + Quantile Balancing, on packed byte-level
 batches of the embedded corpus. MFU = model FLOPs per token (``k3jax.costs.flops_per_token``, training) × tokens/s
-/ the fp32 GEMM FLOP/s measured in the same run (``gemm_peak_flops``), for the bf16 mode too (``--modes``: fp32, and
+/ the fp32 GEMM FLOP/s measured in the same run (``gemm_peak_flops``), for the bf16 mode too (``--modes``: fp32 =
+``precision=fp32`` with the default ``optim.ns_dtype`` (bf16 Newton–Schulz, as training runs by default), and
 bf16 = ``precision=bf16`` + ``optim.ns_dtype=bf16``). Median over ``--steps`` timed steps after one warm-up
 (compile) step.
 """
@@ -31,7 +32,7 @@ from k3jax.train.optim import OptimConfig, make_optimizer, muon_dims_tree
 SHAPES = {"tiny": (8, 128), "100m": (4, 256)}
 
 
-MODES = {"fp32": ("fp32", "fp32"), "bf16": ("bf16", "bf16")}   # mode: (precision, optim.ns_dtype)
+MODES = {"fp32": ("fp32", OptimConfig.ns_dtype), "bf16": ("bf16", "bf16")}   # mode: (precision, optim.ns_dtype)
 
 
 def bench(preset: str, steps: int, peak: float, shape: tuple[int, int] | None = None, mode: str = "fp32") -> dict:

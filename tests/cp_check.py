@@ -192,7 +192,8 @@ def muon_check(mesh) -> dict:
     params, axes, dims = nnx.to_pure_dict(st), axes_tree(st), muon_dims_tree(st)
     keys = iter(jax.random.split(jax.random.key(1), 10_000))
     grads = [jax.tree.map(lambda p: jax.random.normal(next(keys), p.shape, p.dtype), params) for _ in range(3)]
-    ref = make_reference_optimizer(dims, 100, OptimConfig())
+    fp32 = OptimConfig(ns_dtype="fp32")          # against optax's iteration, which runs in the parameters' dtype
+    ref = make_reference_optimizer(dims, 100, fp32)
     r_state, ref_updates = ref.init(params), []
     for g in grads:
         u, r_state = jax.jit(ref.update)(g, r_state, params)
@@ -205,7 +206,7 @@ def muon_check(mesh) -> dict:
                                                                     not isinstance(d, dict))),
            "smallest_muon_param_elements": muon_sizes[0], "update_scale": float(scale_of(ref_updates[-1]))}
     for name, naive in (("blocks", False), ("naive", True)):
-        opt = make_blockwise_optimizer(dims, 100, OptimConfig(), muon_plans(st, mesh, naive=naive))
+        opt = make_blockwise_optimizer(dims, 100, fp32, muon_plans(st, mesh, naive=naive))
         state = jax.tree.map(lambda x: x if isinstance(getattr(x, "sharding", None), NamedSharding) and
                              x.sharding.mesh == mesh else jax.device_put(x, NamedSharding(mesh, P())), opt.init(sp))
         compiled = jax.jit(opt.update).lower(shard_pure(grads[0], axes, mesh), state, sp).compile()

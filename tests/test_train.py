@@ -58,8 +58,9 @@ def test_per_head_muon_update_is_orthogonal_per_head():
     params = {"model": {"layers": {1: {"self_attn": {"q_proj": {"kernel": jnp.asarray(rng.normal(size=(64, 2, 32)),
                                                                                         jnp.float32)}}}}}}
     qdims = {"model": {"layers": {1: {"self_attn": {"q_proj": {"kernel": MDN(0, 2)}}}}}}
-    opt = make_optimizer(qdims, 10, OptimConfig(warmup_steps=0, schedule="constant", clip_norm=1e9,
-                                                 weight_decay=0.0))
+    # fp32 Newton–Schulz: a batched and a single bf16 iteration round their fp32 sums to bf16 differently
+    oc = OptimConfig(warmup_steps=0, schedule="constant", clip_norm=1e9, weight_decay=0.0, ns_dtype="fp32")
+    opt = make_optimizer(qdims, 10, oc)
     g = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), jnp.float32), params)
     u, _ = opt.update(g, opt.init(params), params)
     upd = np.asarray(u["model"]["layers"][1]["self_attn"]["q_proj"]["kernel"])
@@ -69,8 +70,7 @@ def test_per_head_muon_update_is_orthogonal_per_head():
         # … and each head is orthogonalised on its own: equal to Muon on that head's [in, head_dim] matrix alone
         single = {"x": {"kernel": params["model"]["layers"][1]["self_attn"]["q_proj"]["kernel"][:, h, :]}}
         gs = {"x": {"kernel": g["model"]["layers"][1]["self_attn"]["q_proj"]["kernel"][:, h, :]}}
-        opt1 = make_optimizer({"x": {"kernel": MDN(0, 1)}}, 10, OptimConfig(warmup_steps=0, schedule="constant", clip_norm=1e9,
-                                                      weight_decay=0.0))
+        opt1 = make_optimizer({"x": {"kernel": MDN(0, 1)}}, 10, oc)
         u1, _ = opt1.update(gs, opt1.init(single), single)
         np.testing.assert_allclose(upd[:, h, :], u1["x"]["kernel"], rtol=1e-4, atol=1e-6)
 
@@ -235,8 +235,9 @@ def test_blockwise_muon_equals_optax_muon_and_keeps_its_state_tree():
     dims = {"q": MDN(0, 2), "o": MDN(1, 2), "experts": MDN(1, 2), "dense": MDN(0, 1), "norm": None}
     keys = iter(jax.random.split(jax.random.key(1), 100))
     params = {k: jax.random.normal(next(keys), s) for k, s in shapes.items()}
-    ref, ours = make_reference_optimizer(dims, 100, OptimConfig()), make_blockwise_optimizer(dims, 100, OptimConfig())
-    default = make_optimizer(dims, 100, OptimConfig())
+    fp32 = OptimConfig(ns_dtype="fp32")          # optax's iteration runs in the parameters' dtype
+    ref, ours = make_reference_optimizer(dims, 100, fp32), make_blockwise_optimizer(dims, 100, fp32)
+    default = make_optimizer(dims, 100, fp32)
     sr, so, sd = ref.init(params), ours.init(params), default.init(params)
     assert jax.tree.structure(sr) == jax.tree.structure(so) == jax.tree.structure(sd)
     for step in range(3):                                  # step 0 has learning rate 0 (warm-up)
@@ -300,7 +301,7 @@ def test_bf16_training_tracks_fp32_over_50_tiny_steps():
 
 
 def test_newton_schulz_in_bf16_tracks_optax_muon_in_fp32():
-    """``optim.ns_dtype=bf16``: Newton–Schulz with bf16 operands (fp32 accumulation) through make_optimizer, against
+    """The default ``optim.ns_dtype=bf16``: Newton–Schulz with bf16 operands (fp32 accumulation) through make_optimizer, against
     optax.contrib.muon's fp32 iteration (make_reference_optimizer) on the same gradients — the updates agree to bf16 rounding (relative error
     of the whole update, measured ≤ 1.6e-2 here; bf16 has 8 mantissa bits, 3.9e-3 per rounding, five iterations),
     and the compiled update really multiplies bf16 matrices."""
@@ -318,7 +319,7 @@ def test_newton_schulz_in_bf16_tracks_optax_muon_in_fp32():
     params = {k: jax.random.normal(next(keys), s) for k, s in shapes.items()}
     c = dict(warmup_steps=0, schedule="constant")
     ref = make_reference_optimizer(dims, 10, OptimConfig(**c))
-    ours = make_optimizer(dims, 10, OptimConfig(ns_dtype="bf16", **c))
+    ours = make_optimizer(dims, 10, OptimConfig(**c))                      # the default: bf16
     sr, so = ref.init(params), ours.init(params)
     g = jax.tree.map(lambda p: jax.random.normal(next(keys), p.shape, p.dtype), params)
     assert "bf16" in jax.jit(ours.update).lower(g, so, params).as_text()
@@ -362,7 +363,9 @@ def test_micro_batches_give_the_whole_batch_gradient_and_routing():
     batch["loss_mask"] = batch["loss_mask"].at[1, : T // 2].set(0)       # micro-batch 1 (rows 1, 3) has fewer tokens
     res = {}
     for A in (1, 2):
-        c = small_train_config("unused", micro_batches=A, batch_size=B, seq_len=T, balance="quantile")
+        # fp32 Newton–Schulz: the two gradients differ by fp32 summation order, which bf16 roundings would amplify
+        c = small_train_config("unused", micro_batches=A, batch_size=B, seq_len=T, balance="quantile",
+                               optim={"ns_dtype": "fp32"})
         cfg = model_config(c)
         g, p_st, r_st = nnx.split(K3ForCausalLM(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
         params, rest = nnx.to_pure_dict(p_st), nnx.to_pure_dict(r_st)

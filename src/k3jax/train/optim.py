@@ -14,7 +14,6 @@ head, norms and gains, AttnRes vectors, conv kernels, A_log, dt_bias. Weight dec
 from __future__ import annotations
 
 import math
-import string
 from dataclasses import dataclass
 
 import jax
@@ -60,7 +59,9 @@ class OptimConfig:
     min_lr_ratio: float = 0.1
     clip_norm: float = 1.0
     consistent_rms: float = 0.2
-    ns_dtype: str = "fp32"             # Newton–Schulz in "fp32" | "bf16" (products accumulated in fp32)
+    # Newton–Schulz operands: "bf16" (products accumulated in fp32, as Muon's and Moonlight's reference
+    # implementations run it; on an AMX CPU 2.3× faster for the 100m preset) | "fp32" (optax.contrib.muon's iteration)
+    ns_dtype: str = "bf16"
 
 
 def schedule(peak: float, steps: int, c: OptimConfig) -> optax.Schedule:
@@ -119,51 +120,57 @@ def matrix_axes(dims: MDN, ndim: int) -> tuple[tuple[int, ...], tuple[int, ...]]
 def newton_schulz(x: jax.Array, dims: MDN, steps: int = 5, coeffs=NS_COEFFS, eps: float = 1e-8, *,
                   shape: tuple[int, ...] | None = None, gram_axes: tuple[str, ...] = (),
                   dtype=None) -> jax.Array:
-    """Orthogonalise every matrix of ``x`` in place of its axes (no transpose or reshape, so a layout in which the
-    batch axes are split over devices and the matrix axes are whole needs no communication).
+    """Orthogonalise every matrix of ``x`` (axes not in ``dims`` are batch axes).
 
-    Axes not in ``dims`` are batch axes; per batch entry ``X`` (reduction × output axes) is scaled to unit
-    Frobenius norm, then ``steps`` times ``X ← a X + (b A + c A²) X`` with ``A = X Xᵀ`` taken over the larger
-    side (the Gram matrix of the smaller one) — the iteration of ``optax.contrib.muon``.
+    Per batch entry ``X`` [r, c] — the smaller side's axes as rows, so ``A = X Xᵀ`` is the small Gram matrix —
+    scaled to unit Frobenius norm, then ``steps`` times ``X ← a X + (b A + c A²) X``: the iteration of
+    ``optax.contrib.muon``. ``x`` is laid out as ``[batch, r, c]`` for the iteration (a local transpose), so every
+    product contracts row-major operands as XLA's GEMMs want them (on an AMX CPU a bf16 Gram over the leading axis
+    ran at 475 GFLOP/s against 1,060 in this layout for the 100m preset's [1024, 512] matrices).
 
     Inside ``shard_map`` with the larger side split over mesh axes ``gram_axes``: ``x`` is this device's columns,
     ``shape`` the global shape (which side is smaller); the squared norm and the Gram matrix are ``psum``-ed over
     ``gram_axes`` (a small matrix per iteration) and every other product is local.
 
     ``dtype`` (e.g. bf16): the iteration's operands after the fp32 normalisation, every product accumulated in fp32
-    and rounded back (as Muon's reference runs it); the result is returned in ``x``'s dtype."""
+    and rounded back (as the Muon and Moonlight reference implementations run it); the result is returned in
+    ``x``'s dtype."""
     red, out = matrix_axes(dims, x.ndim)
     batch = tuple(i for i in range(x.ndim) if i not in red + out)
     full = tuple(shape) if shape is not None else x.shape
-    size = lambda axes: math.prod(full[i] for i in axes)  # noqa: E731
+    size = lambda axes, s=full: math.prod(s[i] for i in axes)  # noqa: E731
     total = (lambda v: jax.lax.psum(v, gram_axes)) if gram_axes else (lambda v: v)  # noqa: E731
     rows, cols = (out, red) if size(red) > size(out) else (red, out)       # Gram over the smaller side
-    L = string.ascii_letters
-    xs = "".join(L[i] for i in range(x.ndim))
-    prime = {i: L[x.ndim + j] for j, i in enumerate(rows)}               # a second copy of the row axes
-    bs, rs, rs2 = ("".join(L[i] for i in batch), "".join(L[i] for i in rows), "".join(prime[i] for i in rows))
-    xs2 = "".join(prime.get(i, L[i]) for i in range(x.ndim))            # X with its rows renamed
-    a_spec = f"{bs}{rs}{rs2}"
-    third = "".join(L[2 * x.ndim + j] for j in range(len(rows)))
-    hi = jax.lax.Precision.HIGHEST
+    perm = batch + rows + cols
+    xt = jnp.transpose(x, perm)
+    b, r, c = size(batch, x.shape), size(rows, x.shape), size(cols, x.shape)
+    X = xt.reshape(b, r, c)
     in_dtype = x.dtype
-    norm = jnp.sqrt(total(jnp.sum(jnp.square(x), axis=red + out, keepdims=True)))
-    x = x / (norm + eps)
-    cd = jnp.dtype(dtype or x.dtype)
-    x = x.astype(cd)
+    norm = jnp.sqrt(total(jnp.sum(jnp.square(X.astype(jnp.promote_types(in_dtype, jnp.float32))), axis=(1, 2),
+                                  keepdims=True)))
+    cd = jnp.dtype(dtype or in_dtype)
+    X = (X / (norm + eps)).astype(cd)
     acc = jnp.promote_types(cd, jnp.float32)
-    a0, a1, a2 = (jnp.asarray(c, acc) for c in coeffs)
-    ein = lambda spec, a, b: jnp.einsum(spec, a, b, precision=hi, preferred_element_type=acc)  # noqa: E731
+    a0, a1, a2 = (jnp.asarray(k, acc) for k in coeffs)
+    hi = jax.lax.Precision.HIGHEST
 
-    def iteration(_, x):
-        A = total(ein(f"{xs},{xs2}->{a_spec}", x, x)).astype(cd)                             # X Xᵀ
-        AA = ein(f"{bs}{rs}{third},{bs}{third}{rs2}->{a_spec}", A, A)
-        Bm = (a1 * A + a2 * AA).astype(cd)
-        return (a0 * x + ein(f"{a_spec},{xs2}->{xs}", Bm, x)).astype(cd)
+    def mm(p, q, contract):            # p [..., i, k] · q [..., j, k]ᵀ (contract=1) or q [..., k, j] (contract=0)
+        nb = p.ndim - 2
+        dn = (((nb + 1,), (nb + 1 if contract else nb,)), (tuple(range(nb)), tuple(range(nb))))
+        return jax.lax.dot_general(p, q, dn, precision=hi, preferred_element_type=acc)
+
+    def iteration(_, X):
+        A = total(mm(X, X, 1)).astype(cd)                                   # X Xᵀ
+        Bm = (a1 * A + a2 * mm(A, A, 0)).astype(cd)                          # b A + c A²
+        return (a0 * X + mm(Bm, X, 0)).astype(cd)
 
     # a loop, not unrolled: a model has dozens of Muon parameters, and unrolled iterations multiply the update's
     # program (and its compile time) by ``steps``
-    return jax.lax.fori_loop(0, steps, iteration, x).astype(in_dtype)
+    Y = jax.lax.fori_loop(0, steps, iteration, X[0] if b == 1 else X)
+    inv = [0] * x.ndim
+    for k, i in enumerate(perm):
+        inv[i] = k
+    return jnp.transpose(Y.reshape(xt.shape), inv).astype(in_dtype)
 
 
 def muon_block_axis(dims: MDN, ndim: int) -> int | None:
