@@ -154,11 +154,32 @@ def test_grouped_matmul_equals_per_group_numpy(rng, strategy, tile):
         np.testing.assert_allclose(np.asarray(y), np.asarray(ragged), atol=1e-5)
 
 
+def test_padded_grouped_matmul_runs_each_capacity_rung(rng):
+    # 128 rows in 4 groups: capacities 40, 48 and 64 (1.25×, 1.5×, 2× the mean of 32); the largest group picks
+    # the rung — 40, 45 (the 1.5× rung), 64, and 100 (past them all: the tiles) — against numpy, values and grads
+    M, D, I, G = 128, 6, 5, 4
+    assert padded_caps(M, G) == (40, 48, 64)
+    x, w, dy = rng.normal(size=(M, D)), rng.normal(size=(G, D, I)), rng.normal(size=(M, I))
+    f = jax.jit(lambda x_, w_, s_: jax.vjp(lambda a, b: grouped_matmul(a, b, s_, strategy="padded"), x_, w_)[1](
+        jnp.asarray(dy, jnp.float32)))
+    fy = jax.jit(lambda x_, w_, s_: grouped_matmul(x_, w_, s_, strategy="padded"))
+    for sizes in ([40, 30, 30, 28], [45, 30, 30, 23], [64, 20, 20, 24], [100, 10, 10, 8]):
+        g = np.repeat(np.arange(G), sizes)
+        args = (jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32), jnp.asarray(sizes, jnp.int32))
+        np.testing.assert_allclose(np.asarray(fy(*args)), np.einsum("md,mdi->mi", x, w[g]), atol=1e-5,
+                                   err_msg=str(sizes))
+        dx, dw = f(*args)
+        dw_want = np.zeros((G, D, I))
+        np.add.at(dw_want, g, np.einsum("md,mi->mdi", x, dy))
+        np.testing.assert_allclose(np.asarray(dx), np.einsum("mi,mdi->md", dy, w[g]), atol=1e-5, err_msg=str(sizes))
+        np.testing.assert_allclose(np.asarray(dw), dw_want, atol=1e-5, err_msg=str(sizes))
+
+
 def test_tile_choice_bounds_the_padding():
     # few large groups get large tiles, many small groups small ones; the static tile count covers any sizes
     assert choose_tile(2048, 16, 256, 1536) > choose_tile(2048, 224, 64, 96)
     # "auto": padded capacities for few large groups (the 100m preset's), tiles for many small ones (a MoonEP rank)
-    assert padded_caps(40, 7) == (8, 16) and padded_caps(2048, 16) == (160, 256)
+    assert padded_caps(40, 7) == (8, 16) and padded_caps(2048, 16) == (160, 192, 256)
     assert resolve_strategy(None, 2048, 16) == "padded" and resolve_strategy("auto", 2048, 224) == "tiles"
     assert resolve_strategy("auto", 4, 16) == "tiles" and resolve_strategy("ragged", 2048, 16) == "ragged"
     for M, G, t in ((2048, 16, 128), (2048, 224, 8), (40, 7, 16)):
