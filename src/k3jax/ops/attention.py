@@ -35,34 +35,41 @@ def mla_attention(q_nope: jax.Array, q_rope: jax.Array, k_nope: jax.Array, k_rop
     T, S = q_nope.shape[1], k_nope.shape[1]
     if q_block is None and T * S > QUERY_BLOCK_FROM:
         q_block = QUERY_BLOCK
+    dtype = v.dtype
+    # head-major keys [B, N, S, Dn + Dr] (the shared k_r repeated per head) and values [B, N, S, Dv]: one
+    # score product per head over row-major operands — the per-head [B, S, N, D] layout made XLA:CPU's batched
+    # products run a transposing copy each (100m's [4, 256] MLA: forward 13 → 8 ms, fwd+bwd 36 → 18 ms)
+    N = k_nope.shape[2]
+    k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope[:, :, None, :].astype(k_nope.dtype),
+                                                  (*k_rope.shape[:2], N, k_rope.shape[-1]))], axis=-1)
+    k, vh = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
+    q = jnp.concatenate([q_nope, q_rope.astype(q_nope.dtype)], axis=-1)
     if q_block is not None and q_block < T:
-        return _mla_attention_query_blocks(q_nope, q_rope, k_nope, k_rope, v, scale, segment_ids, kv_segment_ids,
-                                           q_offset, q_block)
-    return _mla_attention_dense(q_nope, q_rope, k_nope, k_rope, v, scale, segment_ids, kv_segment_ids, q_offset)
+        o = _mla_attention_query_blocks(q, k, vh, scale, segment_ids, kv_segment_ids, q_offset, q_block)
+    else:
+        o = _mla_attention_dense(q, k, vh, scale, segment_ids, kv_segment_ids, q_offset)
+    return o.astype(dtype)
 
 
-def _mla_attention_dense(q_nope, q_rope, k_nope, k_rope, v, scale, segment_ids, kv_segment_ids, q_offset):
-    f32 = acc_dtype(q_nope, k_nope, v)
-    s = jnp.einsum("btnd,bsnd->bnts", q_nope, k_nope, precision=HIGHEST, preferred_element_type=f32)
-    if q_rope.shape[-1]:
-        s = s + jnp.einsum("btnd,bsd->bnts", q_rope, k_rope, precision=HIGHEST, preferred_element_type=f32)
-    s = s * scale
-    T, S = q_nope.shape[1], k_nope.shape[1]
+def _mla_attention_dense(q, k, v, scale, segment_ids, kv_segment_ids, q_offset):
+    """``q [B, T, N, D]`` (nope and rope parts side by side), head-major ``k [B, N, S, D]``, ``v [B, N, S, Dv]`` →
+    ``[B, T, N, Dv]`` fp32 (or wider)."""
+    f32 = acc_dtype(q, k, v)
+    s = jnp.einsum("btnd,bnsd->bnts", q, k, precision=HIGHEST, preferred_element_type=f32) * scale
+    T, S = q.shape[1], k.shape[2]
     mask = (jnp.arange(S)[None, :] <= q_offset + jnp.arange(T)[:, None])[None, None]
     if segment_ids is not None:
         kv_seg = segment_ids if kv_segment_ids is None else kv_segment_ids
         mask = mask & (segment_ids[:, None, :, None] == kv_seg[:, None, None, :])
     s = jnp.where(mask, s, -jnp.inf)
     p = jax.nn.softmax(s, axis=-1)
-    o = jnp.einsum("bnts,bsnd->btnd", p, v.astype(f32), precision=HIGHEST, preferred_element_type=f32)
-    return o.astype(v.dtype)
+    return jnp.einsum("bnts,bnsd->btnd", p, v.astype(f32), precision=HIGHEST, preferred_element_type=f32)
 
 
-def _mla_attention_query_blocks(q_nope, q_rope, k_nope, k_rope, v, scale, segment_ids, kv_segment_ids, q_offset,
-                                q_block):
+def _mla_attention_query_blocks(q, k, v, scale, segment_ids, kv_segment_ids, q_offset, q_block):
     """:func:`mla_attention` over blocks of ``q_block`` queries (T padded up to a multiple; the padding rows copy
     the last row's segment id, so none is fully masked, and are dropped)."""
-    B, T = q_nope.shape[:2]
+    B, T = q.shape[:2]
     n = -(-T // q_block)
     pad = n * q_block - T
     kv_seg = segment_ids if kv_segment_ids is None else kv_segment_ids
@@ -71,13 +78,13 @@ def _mla_attention_query_blocks(q_nope, q_rope, k_nope, k_rope, v, scale, segmen
         x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), mode=mode)
         return jnp.moveaxis(x.reshape(B, n, q_block, *x.shape[2:]), 1, 0)        # [n, B, q_block, …]
 
-    qs = (blocks(q_nope), blocks(q_rope), None if segment_ids is None else blocks(segment_ids, "edge"))
+    qs = (blocks(q), None if segment_ids is None else blocks(segment_ids, "edge"))
     offsets = q_offset + q_block * jnp.arange(n)
 
     @jax.checkpoint
     def one(args):
-        qn, qr, seg, off = args
-        return _mla_attention_dense(qn, qr, k_nope, k_rope, v, scale, seg, kv_seg, off)
+        qb, seg, off = args
+        return _mla_attention_dense(qb, k, v, scale, seg, kv_seg, off)
 
     o = jax.lax.map(one, (*qs, offsets))                                             # [n, B, q_block, N, Dv]
     o = jnp.moveaxis(o, 0, 1).reshape(B, n * q_block, *o.shape[3:])
