@@ -219,8 +219,11 @@ def test_k3jax_bench_is_the_runner_and_needs_a_checkout(capsys, monkeypatch, tmp
 
 def test_runner_splits_the_host_but_isolated_children_get_the_environment_as_it_was(fake_bench, monkeypatch,
                                                                                    tmp_path):
-    monkeypatch.setattr(run, "_CHILD_XLA_FLAGS", [])
+    # the children (one-device benchmarks among them) get XLA_FLAGS and NPROC as found: the split host's larger
+    # thread pool (NPROC, set for its collectives) made a one-device forward ~15% slower
+    monkeypatch.setattr(run, "_CHILD_ENV", [])
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=false")
+    monkeypatch.setenv("NPROC", "2")             # (setenv, so the runner's larger value is undone after the test)
     seen = {}
 
     def fake_run(cmd, cwd, env, check):
@@ -232,6 +235,7 @@ def test_runner_splits_the_host_but_isolated_children_get_the_environment_as_it_
     run.main(["fake", "iso", "--host-devices", "3", "--json", str(tmp_path / "all.json")])
     assert os.environ["XLA_FLAGS"] == "--xla_cpu_enable_fast_math=false --xla_force_host_platform_device_count=3"
     assert seen["env"]["XLA_FLAGS"] == "--xla_cpu_enable_fast_math=false"
+    assert int(os.environ["NPROC"]) >= 2 * 3 and seen["env"]["NPROC"] == "2"
 
 
 def test_kda_peak_is_the_best_round_of_any_gemm_and_medians_exclude_them():
