@@ -17,8 +17,6 @@ def acc_dtype(*xs: jax.Array) -> jnp.dtype:
     return dt
 
 
-
-
 def _dot_acc(a: jax.Array, b: jax.Array, a_axes: tuple[int, ...], b_axes: tuple[int, ...], acc) -> jax.Array:
     return jax.lax.dot_general(a, b, ((a_axes, b_axes), ((), ())), preferred_element_type=acc)
 
