@@ -44,6 +44,11 @@ from k3jax.parallel.ep import moe_expert_parallel  # noqa: E402
 from k3jax.parallel.moonep import plan, plan_numpy, slots_from_alloc  # noqa: E402
 
 
+METHOD_ROWS = (("moonep", "moonep", "auto"), ("moonep_two_hop_exchange", "moonep", "two_hop"),
+               ("moonep_gather_exchange", "moonep", "gather"), ("moonep_dense_exchange", "moonep", "dense"),
+               ("dropless", "dropless", "auto"), ("capacity", "capacity", "auto"))
+
+
 def act(g, u):
     return jax.nn.silu(g) * u
 
@@ -86,52 +91,56 @@ def main(argv: list[str] | None = None) -> dict:
     ws = [jnp.asarray(rng.normal(size=s) / 8, jnp.float32) for s in [(E, D, I), (E, D, I), (E, I, D)]]
     res = {"benchmark": "moonep", "machine": platform.machine(), "jax": jax.__version__,
            "backend": jax.default_backend(), "devices": R, "setup": {"S": a.S, "E": E, "K": K, "D": D, "I": I,
-                                                                    "dtype": "float32", "exchange": "two_hop (CPU default), gather, dense"},
+                                                                    "dtype": "float32", "exchange": "one_hop (CPU default), two_hop, gather, dense"},
            "routings": []}
     for kind in a.routings:
         idx = jnp.asarray(routing(kind, N, E, K, R, rng))
         row = {"routing": kind, "methods": {}}
-        for label, method, exchange in [("moonep", "moonep", "auto"), ("moonep_gather_exchange", "moonep", "gather"),
-                                        ("moonep_dense_exchange", "moonep", "dense"),
-                                        ("dropless", "dropless", "auto"), ("capacity", "capacity", "auto")]:
-            def loss(z, w, w1, w3, w2):
+        steps, stats = {}, {}
+        for label, method, exchange in METHOD_ROWS:
+            def loss(z, w, w1, w3, w2, method=method, exchange=exchange):
                 y, st = moe_expert_parallel(z, idx, w, w1, w3, w2, act, mesh=mesh, method=method, with_stats=True,
                                             exchange=exchange)
                 return jnp.sum(y * y), st
 
-            step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))
-            (_, st), g = step(z, w, *ws)
+            steps[label] = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))
+            (_, stats[label]), g = steps[label](z, w, *ws)
             jax.block_until_ready(g)
-            times = []
-            for _ in range(a.reps):
+        times = {label: [] for label in steps}
+        for _ in range(a.reps):                  # interleaved rounds: every method's median under the same load
+            for label, step in steps.items():
                 t = time.perf_counter()
                 jax.block_until_ready(step(z, w, *ws))
-                times.append(time.perf_counter() - t)
+                times[label].append(time.perf_counter() - t)
+        for label, st in stats.items():
             rows = int(np.asarray(st["recv_rows"])[0])
             row["methods"][label] = {"recv_rows_per_rank": rows, "recv_bytes_per_rank": rows * D * 4,
-                                      "step_ms": 1e3 * statistics.median(times),
+                                      "step_ms": 1e3 * statistics.median(times[label]),
                                       "drop_rate": float(np.asarray(st["dropped"]).sum()) / (N * K),
                                       "fills": int(np.asarray(st["fills"])[0]),
                                       "fetched_experts": int(np.asarray(st["fetched_experts"])[0]),
                                       "fetch_slots": int(np.asarray(st["fetch_slots"])[0]),
                                       "fetch_rows": int(np.asarray(st["fetch_rows"])[0]),
                                       "box_rows": int(np.asarray(st["box_rows"])[0]),
+                                      "chunk_rows": int(np.asarray(st["chunk_rows"])[0]),
                                       "overflow": int(np.asarray(st["overflow"]).sum())}
         mo, dl = row["methods"]["moonep"], row["methods"]["dropless"]
         row["buffer_ratio_dropless_over_moonep"] = dl["recv_rows_per_rank"] / mo["recv_rows_per_rank"]
         row["speedup_vs_dropless"] = dl["step_ms"] / mo["step_ms"]
         row["moonep_over_capacity"] = mo["step_ms"] / row["methods"]["capacity"]["step_ms"]
-        row["gather_over_two_hop_exchange"] = row["methods"]["moonep_gather_exchange"]["step_ms"] / mo["step_ms"]
-        row["dense_over_two_hop_exchange"] = row["methods"]["moonep_dense_exchange"]["step_ms"] / mo["step_ms"]
+        for other in ("two_hop", "gather", "dense"):
+            row[f"{other}_over_one_hop_exchange"] = row["methods"][f"moonep_{other}_exchange"]["step_ms"] / mo["step_ms"]
         if mo["overflow"]:
-            raise RuntimeError(f"{kind}: the two-hop exchange dropped {mo['overflow']} rows (a chunk bound failed)")
+            raise RuntimeError(f"{kind}: MoonEP's exchange lost {mo['overflow']} rows (a chunk bound failed)")
         res["routings"].append(row)
         print(f"{kind:>9}: MoonEP {mo['step_ms']:.1f} ms ({mo['recv_rows_per_rank']} rows, {mo['fetched_experts']} "
               f"fetched), dropless {dl['step_ms']:.1f} ms ({dl['recv_rows_per_rank']} rows) → "
               f"{row['speedup_vs_dropless']:.2f}×; capacity 1.25 {row['methods']['capacity']['step_ms']:.1f} ms, "
-              f"drops {row['methods']['capacity']['drop_rate']:.1%} (MoonEP/capacity {row['moonep_over_capacity']:.2f}×; "
-              f"gather exchange {row['methods']['moonep_gather_exchange']['step_ms']:.1f} ms, "
-              f"dense {row['methods']['moonep_dense_exchange']['step_ms']:.1f} ms)", flush=True)
+              f"drops {row['methods']['capacity']['drop_rate']:.1%} (MoonEP/capacity {row['moonep_over_capacity']:.2f}×, "
+              f"chunk {mo['chunk_rows']} rows, box {mo['box_rows']}; two-hop exchange "
+              f"{row['methods']['moonep_two_hop_exchange']['step_ms']:.1f} ms, gather "
+              f"{row['methods']['moonep_gather_exchange']['step_ms']:.1f} ms, dense "
+              f"{row['methods']['moonep_dense_exchange']['step_ms']:.1f} ms)", flush=True)
     # planner only, R = 64
     plans = []
     f = jax.jit(plan)

@@ -41,6 +41,36 @@ def routing(kind, N, E, K, R, rng):
     return np.argsort(-logit, 1)[:, :K]
 
 
+def _plan(idx, R, E):
+    """The numpy plan of the routing ``idx [N, K]`` over R expert ranks (the token split is by rank, in order)."""
+    from k3jax.parallel.moonep import plan_numpy
+    per = idx.reshape(R, -1)          # on data=2,expert=4 each expert group plans half the tokens: R ranks of it
+    counts = np.stack([np.bincount(r, minlength=E) for r in per])
+    return counts, plan_numpy(counts)
+
+
+def max_pair_rows(idx, R, E):
+    """Per device: the most pairs one source of its expert group sends one destination under the plan (numpy)."""
+    from k3jax.parallel.moonep import pair_counts
+    out = []
+    for g in idx.reshape(8 // R, -1, idx.shape[1]):
+        counts, p = _plan(g, R, E)
+        out += [int(np.asarray(pair_counts(counts, p.alloc)).max())] * R
+    return out
+
+
+def max_group(idx, R, E):
+    """Per expert group, per rank: the largest group among its home and first ⌈m/8⌉ redundant slots (numpy)."""
+    from k3jax.parallel.moonep import slots_from_alloc
+    m = E // R
+    F0 = max(1, -(-m // 8))
+    out = []
+    for g in idx.reshape(8 // R, -1, idx.shape[1]):
+        _, sizes, _ = slots_from_alloc(_plan(g, R, E)[1].alloc)
+        out += np.asarray(sizes)[:, :m + F0].max(1).tolist()
+    return out
+
+
 def rel(a, b):
     return float(jnp.max(jnp.abs(a - b)) / (jnp.max(jnp.abs(b)) + 1e-30))
 
@@ -86,6 +116,9 @@ def main():
                                  "fetch_slots": np.asarray(st["fetch_slots"]).tolist(),
                                  "fetch_rows": np.asarray(st["fetch_rows"]).tolist(),
                                  "box_rows": np.asarray(st["box_rows"]).tolist(),
+                                 "chunk_rows": np.asarray(st["chunk_rows"]).tolist(),
+                                 "max_pair_rows": max_pair_rows(np.asarray(idx), 8 if mname == "expert=8" else 4, E),
+                                 "max_group": max_group(np.asarray(idx), 8 if mname == "expert=8" else 4, E),
                                  "overflow": np.asarray(st["overflow"]).tolist()})
     out["two_hop"] = two_hop_cases(rng)
     print(json.dumps(out))

@@ -29,7 +29,7 @@ def test_expert_parallel_moe_equals_single_device(ep_results):
         R = 8 if c["mesh"] == "expert=8" else 4
         S_K = 256 // 8 * 4                                  # tokens per device × top-K
         assert c["recv_rows"] == [S_K * (1 if c["method"] == "moonep" else R)] * 8, c
-        assert c["overflow"] == [0] * 8, c                  # the two-hop exchange (CPU default) carried every row
+        assert c["overflow"] == [0] * 8, c                  # the exchanges (one-hop, CPU default) carried every row
         if c["method"] == "moonep":
             assert max(c["fills"]) <= R - 1
             if c["routing"] == "balanced":
@@ -53,18 +53,30 @@ def test_expert_parallel_moe_equals_single_device(ep_results):
     one_fill = [c for c in cases if c["routing"] == "one_fill" and c["method"] == "moonep" and c["mesh"] == "expert=8"]
     assert one_fill[0]["fetched"] == [1] * 8 and layout[("expert=8", "one_fill")] == ([1] * 8, [1] * 8)
     assert layout[("data=2,expert=4", "balanced")][0][0] == 1, layout
-    # the experts ran in the padded [m + F, C] box (C = k3jax.parallel.ep.box_capacity: twice the mean home group)
-    # where every group fit, in tiles where one did not — both checked against the single device above
-    from k3jax.parallel.ep import box_capacity
+    # the experts (home slots and the first F0 redundant ones) ran in the grouped FFN's padded box with the
+    # smallest capacity rung (k3jax.ops.grouped.padded_caps) that holds the rank's largest group, computed here
+    # from a numpy plan, or in tiles (box 0) where none does — every case checked against the single device above
+    from k3jax.ops.grouped import padded_caps
+    from k3jax.parallel.ep import one_hop_chunks
 
-    box = {(c["mesh"], c["routing"]): c["box_rows"] for c in cases if c["method"] == "moonep"}
     S_K = 256 // 8 * 4
-    for (mesh, routing), rows in box.items():
-        R = 8 if mesh == "expert=8" else 4
-        assert set(rows) <= {0, box_capacity(S_K, 32 // R)}, (mesh, routing, rows)
-    assert box[("expert=8", "balanced")] == [box_capacity(S_K, 4)] * 8 == [64] * 8
-    assert box[("data=2,expert=4", "balanced")] == [32] * 8
-    assert box[("expert=8", "zipf")] == box[("expert=8", "one_rank")] == [0] * 8   # a group over C: the tiles
+    boxes = set()
+    for c in cases:
+        if c["method"] != "moonep":
+            continue
+        R = 8 if c["mesh"] == "expert=8" else 4
+        m = 32 // R
+        caps = padded_caps(S_K, m + max(1, -(-m // 8)))
+        want = [min([C for C in caps if C >= g], default=0) for g in c["max_group"]]
+        assert c["box_rows"] == want, c
+        boxes |= set(want)
+        # the pairs went in one all_to_all of [R, chunk] rows, the smallest rung holding the plan's largest
+        # (source, destination) count, or through the two-hop exchange (chunk 0) past the largest rung
+        chunks = one_hop_chunks(S_K, R)
+        assert c["chunk_rows"] == [min([C for C in chunks if C >= t], default=0) for t in c["max_pair_rows"]], c
+    assert 0 in boxes and len(boxes) >= 3, boxes                  # the tiles and at least two rungs ran
+    ran_chunks = {c["chunk_rows"][0] for c in cases if c["method"] == "moonep"}
+    assert 0 in ran_chunks and len(ran_chunks) >= 2, ran_chunks   # the two-hop fallback and a one-hop rung ran
 
 
 @pytest.mark.slow

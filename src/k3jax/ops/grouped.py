@@ -94,7 +94,7 @@ def _padded_layout(sizes: jax.Array, M: int, C: int) -> tuple[jax.Array, jax.Arr
     end = jnp.cumsum(sizes)
     start = end - sizes
     r = jnp.arange(M, dtype=jnp.int32)
-    g = jnp.minimum(_count_le(end, M), G - 1)
+    g = jnp.minimum(count_le(end, M), G - 1)
     dest = jnp.where(r < end[-1], g * C + (r - start[g]), G * C).astype(jnp.int32)
     src = jnp.full((G * C,), M, jnp.int32).at[dest].set(r, mode="drop")
     return src, dest
@@ -147,7 +147,7 @@ def tile_count(M: int, G: int, t: int) -> int:
     return max(1, (M + G * (t - 1)) // t)
 
 
-def _count_le(ends: jax.Array, n: int) -> jax.Array:
+def count_le(ends: jax.Array, n: int) -> jax.Array:
     """``[#{g : ends_g ≤ i} for i < n]`` for non-decreasing ``ends`` (``searchsorted(ends, arange(n), "right")``)
     in O(n + G): a histogram of the ends and its running sum (XLA:CPU's searchsorted is a sequential loop)."""
     marks = jnp.zeros((n + 1,), jnp.int32).at[jnp.minimum(ends, n)].add(1)
@@ -168,10 +168,10 @@ def tile_layout(sizes: jax.Array, M: int, t: int) -> tuple[jax.Array, jax.Array,
     tile_end = jnp.cumsum(tiles)
     tile_start = tile_end - tiles
     r = jnp.arange(M, dtype=jnp.int32)
-    g = jnp.minimum(_count_le(end, M), G - 1)                              # each row's group
+    g = jnp.minimum(count_le(end, M), G - 1)                              # each row's group
     dest = jnp.where(r < end[-1], tile_start[g] * t + (r - start[g]), nt * t).astype(jnp.int32)
     src = jnp.full((nt * t,), M, jnp.int32).at[dest].set(r, mode="drop")
-    group = jnp.minimum(_count_le(tile_end, nt), G - 1)
+    group = jnp.minimum(count_le(tile_end, nt), G - 1)
     return src, group.astype(jnp.int32), dest
 
 
@@ -241,24 +241,110 @@ def grouped_ffn(xs: jax.Array, sizes: jax.Array, w_gate: jax.Array, w_up: jax.Ar
         h = act(jax.lax.ragged_dot(xs, w_gate, sizes, precision=HIGHEST),
                 jax.lax.ragged_dot(xs, w_up, sizes, precision=HIGHEST))
         return jax.lax.ragged_dot(h, w_down, sizes, precision=HIGHEST, preferred_element_type=f)
-    dt = jnp.result_type(xs.dtype, w_gate.dtype)
+    caps = () if strategy == "tiles" else padded_caps(M, G)
+    return _grouped_ffn(xs, sizes, w_gate, w_up, w_down, act, caps, tile or choose_tile(M, G, D, 3 * I))
 
-    def tiles(sizes, xs, w_gate, w_up, w_down):
-        xt, group, dest = _to_tiles(xs, sizes, tile or choose_tile(M, G, D, 3 * I))
-        h = act(_tiled_dot(xt, w_gate, group, dt), _tiled_dot(xt, w_up, group, dt))
-        return _from_tiles(_tiled_dot(h, w_down, group, f), dest)
 
-    if strategy == "tiles":
-        return tiles(sizes, xs, w_gate, w_up, w_down)
+def _ein(a: jax.Array, b: jax.Array, spec: str, out) -> jax.Array:
+    return jnp.einsum(spec, a, b.astype(a.dtype), precision=HIGHEST, preferred_element_type=out)
 
-    def padded(C, sizes, xs, w_gate, w_up, w_down):
-        def ffn(xb):
-            ein = lambda a, w, out: jnp.einsum("gcd,gdi->gci", a, w.astype(a.dtype), precision=HIGHEST,  # noqa: E731
-                                               preferred_element_type=out)
-            return ein(act(ein(xb, w_gate, dt), ein(xb, w_up, dt)), w_down, f)
-        return _padded(ffn, xs, sizes, C)
 
-    return _by_capacity(sizes, M, G, padded, tiles, (xs, w_gate, w_up, w_down))
+class _Blocks:
+    """The grouped rows laid out as blocks of equal rows, each block through one expert: the ``[G, C]`` padded box
+    (block g = group g) or tiles of ``t`` rows (block n = a tile of group ``group[n]``). ``src`` gives the row
+    at each block position (M = empty), ``dest`` each row's block position."""
+
+    def __init__(self, sizes: jax.Array, M: int, G: int, cap: int | None, tile: int):
+        self.G = G
+        if cap is not None:
+            self.src, self.dest = _padded_layout(sizes, M, cap)
+            self.group, self.rows = None, cap
+        else:
+            self.src, self.group, self.dest = tile_layout(sizes, M, tile)
+            self.rows = tile
+
+    def blocks(self, x: jax.Array) -> jax.Array:
+        return jnp.take(x, self.src, axis=0, mode="fill", fill_value=0).reshape(-1, self.rows, x.shape[-1])
+
+    def unblock(self, y: jax.Array) -> jax.Array:
+        return jnp.take(y.reshape(-1, y.shape[-1]), self.dest, axis=0, mode="fill", fill_value=0)
+
+    def weights(self, w: jax.Array) -> jax.Array:
+        return w if self.group is None else jnp.take(w, self.group, axis=0)
+
+    def reduce(self, dw: jax.Array) -> jax.Array:
+        """Block weight gradients ``[blocks, ...]`` → per-expert ``[G, ...]``."""
+        return dw if self.group is None else jnp.zeros((self.G, *dw.shape[1:]), dw.dtype).at[self.group].add(dw)
+
+
+def grouped_ffn_forward(xs: jax.Array, sizes: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
+                        act: Act, caps: tuple[int, ...], tile: int) -> tuple[jax.Array, tuple]:
+    """:func:`grouped_ffn`'s forward in the smallest of ``caps`` (padded box) that holds the largest group, else
+    in tiles of ``tile`` rows, chosen at run time; returns ``(y [M, D], residuals)`` for
+    :func:`grouped_ffn_backward`. The residuals are the gate and up products in row order (``[M, I]`` each, the
+    same shape for every layout), so the backward re-lays them out instead of recomputing three products."""
+    M, _ = xs.shape
+    G, _, I = w_gate.shape
+    dt, f = jnp.result_type(xs.dtype, w_gate.dtype), acc_dtype(xs)
+    index = jnp.sum(jnp.max(sizes) > jnp.asarray(caps, jnp.int32)).astype(jnp.int32) if caps else jnp.int32(0)
+
+    def branch(cap):
+        def run(sizes, xs, wg, wu, wd):
+            lay = _Blocks(sizes, M, G, cap, tile)
+            xb = lay.blocks(xs.astype(dt))
+            a, b = _ein(xb, lay.weights(wg), "gcd,gdi->gci", dt), _ein(xb, lay.weights(wu), "gcd,gdi->gci", dt)
+            y = _ein(act(a, b), lay.weights(wd), "gci,gid->gcd", f)
+            return lay.unblock(y), lay.unblock(a), lay.unblock(b)
+        return run
+
+    y, a, b = jax.lax.switch(index, [branch(c) for c in caps] + [branch(None)], sizes, xs, w_gate, w_up, w_down)
+    return y, (index, a, b)
+
+
+def grouped_ffn_backward(xs: jax.Array, sizes: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
+                         act: Act, caps: tuple[int, ...], tile: int, res: tuple, ct: jax.Array
+                         ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The VJP of :func:`grouped_ffn_forward` for the cotangent ``ct [M, D]`` of ``y``: ``(dxs, dw_gate, dw_up,
+    dw_down)``, in the layout the forward ran."""
+    M, _ = xs.shape
+    G = w_gate.shape[0]
+    dt, f = jnp.result_type(xs.dtype, w_gate.dtype), acc_dtype(xs)
+    index, a_rows, b_rows = res
+
+    def branch(cap):
+        def run(sizes, xs, wg, wu, wd, a_rows, b_rows, ct):
+            lay = _Blocks(sizes, M, G, cap, tile)
+            xb, dy = lay.blocks(xs.astype(dt)), lay.blocks(ct).astype(dt)
+            h, act_vjp = jax.vjp(act, lay.blocks(a_rows), lay.blocks(b_rows))
+            wg_b, wu_b, wd_b = lay.weights(wg), lay.weights(wu), lay.weights(wd)
+            da, db = act_vjp(_ein(dy, wd_b, "gcd,gid->gci", dt))
+            dxb = _ein(da, wg_b, "gci,gdi->gcd", f) + _ein(db, wu_b, "gci,gdi->gcd", f)
+            return (lay.unblock(dxb), lay.reduce(_ein(xb, da, "gcd,gci->gdi", f)),
+                    lay.reduce(_ein(xb, db, "gcd,gci->gdi", f)), lay.reduce(_ein(h, dy, "gci,gcd->gid", f)))
+        return run
+
+    grads = jax.lax.switch(index, [branch(c) for c in caps] + [branch(None)], sizes, xs, w_gate, w_up, w_down,
+                           a_rows, b_rows, ct)
+    return tuple(g.astype(o.dtype) for g, o in zip(grads, (xs, w_gate, w_up, w_down)))
+
+
+def _grouped_ffn(xs, sizes, w_gate, w_up, w_down, act: Act, caps: tuple[int, ...], tile: int) -> jax.Array:
+    """:func:`grouped_ffn_forward` with :func:`grouped_ffn_backward` as its VJP."""
+
+    @jax.custom_vjp
+    def run(sizes, xs, wg, wu, wd):
+        return grouped_ffn_forward(xs, sizes, wg, wu, wd, act, caps, tile)[0]
+
+    def run_fwd(sizes, xs, wg, wu, wd):
+        y, res = grouped_ffn_forward(xs, sizes, wg, wu, wd, act, caps, tile)
+        return y, (sizes, xs, wg, wu, wd, res)
+
+    def run_bwd(saved, ct):
+        sizes, xs, wg, wu, wd, res = saved
+        return (None, *grouped_ffn_backward(xs, sizes, wg, wu, wd, act, caps, tile, res, ct))
+
+    run.defvjp(run_fwd, run_bwd)
+    return run(sizes, xs, w_gate, w_up, w_down)
 
 
 def moe_per_token(x: jax.Array, idx: jax.Array, weights: jax.Array, w_gate: jax.Array, w_up: jax.Array,

@@ -4,27 +4,32 @@ Every device holds S tokens (``z [S, D]``, top-K ``idx``/``w [S, K]``) and its E
 ``expert`` mesh axis (R ranks) is the exchange group. Methods (same interface, same result up to drops):
 
 * ``"moonep"`` — plan (:mod:`k3jax.parallel.moonep`) from the all-gathered ``[R, E]`` counts, send each pair to
-  its planned slot, fetch ≤ E/R redundant experts' weights from their homes into static slots, the experts over
-  exactly S·K rows (E/R home + F redundant slots: one batched GEMM per weight over a padded [slots, C] box when
-  every group fits C, :func:`box_capacity`, else the grouped matmul's tiles), and back. Gradients of fetched
-  weights flow back to their home copy through the transposed exchange.
+  its planned slot (:class:`~k3jax.parallel.moonep.PairLayout`: both sides derive where every row goes from the
+  replicated counts and plan, so rows travel without keys), fetch ≤ E/R redundant experts' weights from their
+  homes into static slots, the experts over exactly S·K rows (E/R home + ⌈m/8⌉ redundant slots through the
+  grouped FFN's padded box, capacity by run-time rung, else its tiles; slots past those in a branch taken only
+  when some rank hosts more), and back. Gradients of fetched weights flow back to their home copy through the
+  transposed exchange.
 * ``"dropless"`` — every pair to its expert's home rank; a receive buffer sized for the worst case (S·K from each
   of R sources: S·K·R rows) and a grouped matmul over it.
 * ``"capacity"`` — GShard-style: at most C = ⌈cf·S·K/E⌉ pairs per (source, expert); the rest are dropped
   (contribute 0). Static buffer cf·S·K per rank.
 
-The pair exchange has four implementations with the same semantics (:data:`EXCHANGES`): ``"ragged"``
-(``jax.lax.ragged_all_to_all``: send and receive buffers of exactly S·K rows — GPU/TPU); ``"two_hop"`` (the CPU
-default: :mod:`k3jax.parallel.exchange`, two static ``all_to_all`` through an intermediate rank, ≈ 2·S·K rows
-per rank; MoonEP's weight fetch goes the same way, ≈ 2·E/R expert rows instead of all E); and two that
+The pair exchange has five implementations with the same semantics (:data:`EXCHANGES`): ``"ragged"``
+(``jax.lax.ragged_all_to_all``: send and receive buffers of exactly S·K rows — GPU/TPU); ``"one_hop"`` (the CPU
+default: the plan fixes every (source, destination) count ``T`` before the exchange and every rank knows it, so
+all ranks send one static ``all_to_all`` of an ``[R, c]`` box with c the smallest of :func:`one_hop_chunks` —
+1.25×, 1.5×, 2× the mean S·K/R — that holds ``max T``, else the two-hop exchange); ``"two_hop"``
+(:mod:`k3jax.parallel.exchange`, two static ``all_to_all`` through an intermediate rank, ≈ 2·S·K rows per rank;
+MoonEP's weight fetch goes this way with either CPU exchange, ≈ 2·E/R expert rows instead of all E); and two that
 transiently receive the worst-case R·S·K rows (the plan and the grouped matmul still see exactly S·K):
 ``"gather"`` (one ``all_gather`` of the S·K send rows, then each rank gathers the rows the all-gathered offsets
 say are its own; the weight fetch an ``all_gather`` of every home's experts) and ``"dense"`` (``all_to_all`` of an
-[R, S·K] box built by a gather and unpacked by a scatter). ``"auto"`` picks ragged off CPU, two_hop on it.
+[R, S·K] box built by a gather and unpacked by a scatter). ``"auto"`` picks ragged off CPU, one_hop on it.
 Stats: ``overflow`` counts rows a two-hop exchange could not carry (0 whenever its bounds hold; tests assert it);
-``fetch_slots`` the redundant-expert slots per rank MoonEP's step ran with (:func:`fetch_menu`: the weight fetch
-and the grouped matmul are compiled for ⌈m/8⌉ slots and for the planner's bound m; the plan picks one at run
-time, the same on every rank, and the backward recomputes only that one).
+``chunk_rows`` the one-hop chunk that ran (0: two-hop or another exchange); ``box_rows`` the padded box's rows per
+slot (0: tiles); ``fetch_slots`` the redundant-expert slots per rank MoonEP's step ran with (:func:`fetch_menu`:
+⌈m/8⌉, or the planner's bound m when the branch for the slots past them ran).
 """
 
 from __future__ import annotations
@@ -38,10 +43,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from k3jax.ops.grouped import grouped_ffn
+from k3jax.ops.grouped import grouped_ffn, padded_caps
 from k3jax.ops.switch import switch_recompute
-from k3jax.parallel.exchange import two_hop_exchange, two_hop_return, two_hop_route
-from k3jax.parallel.moonep import destination_slots, pair_counts, plan, rank_in_group, slots_from_alloc
+from k3jax.parallel.exchange import inverse_map, rows_at, two_hop_exchange, two_hop_return, two_hop_route
+from k3jax.parallel.moonep import PairLayout, pair_counts, pair_layout, plan, rank_in_group, slots_from_alloc
 
 Act = Callable[[jax.Array, jax.Array], jax.Array]
 METHODS = ("moonep", "dropless", "capacity")
@@ -122,7 +127,7 @@ def ragged_all_to_all_gather(operand: jax.Array, output: jax.Array, input_offset
     return jnp.where((read >= 0).reshape(-1, *([1] * (operand.ndim - 1))), got, output)
 
 
-EXCHANGES = ("ragged", "two_hop", "gather", "dense")
+EXCHANGES = ("ragged", "one_hop", "two_hop", "gather", "dense")
 
 
 def _ragged(kind: str):
@@ -133,19 +138,16 @@ def _ragged(kind: str):
     return ragged_all_to_all_dense
 
 
-def _exchange_plan(send_dest: jax.Array, R: int, axis: str, T: jax.Array | None = None):
-    """Offsets for a ragged exchange where this rank's rows are sorted by destination: ``(in_off, send, out_off,
-    recv, recv_in_off)``; ``T[s, d]`` (rows s sends to d, a [R, R] int matrix) is all-gathered unless given."""
-    r = jax.lax.axis_index(axis)
-    if T is None:
-        T = jax.lax.all_gather(_bincount(send_dest, R), axis)             # [R, R]
+def _exchange_offsets(T: jax.Array, r: jax.Array):
+    """Offsets of rank r's ragged exchange of rows sorted by destination, ``T [s, d]`` rows from s to d:
+    ``(in_off, send, out_off, recv, recv_in_off, back_out)`` — the forward's and (last two) the return's."""
     send = T[r]
     in_off = jnp.cumsum(send) - send
     out_off = (jnp.cumsum(T, 0) - T)[r]                                   # my rows' start in each d's buffer
     recv = T[:, r]
     recv_in_off = jnp.cumsum(recv) - recv
     back_out = (jnp.cumsum(T, 1) - T)[:, r]                               # where my rows sit in s's send order
-    return in_off, send, out_off, recv, recv_in_off, back_out, T
+    return in_off, send, out_off, recv, recv_in_off, back_out
 
 
 def _gather_indices(T: jax.Array, r: jax.Array, rows: int) -> tuple[jax.Array, jax.Array]:
@@ -231,8 +233,9 @@ def _fetch_weights_two_hop(ws: tuple[jax.Array, ...], fetch: jax.Array, axis: st
     dtypes = {w.dtype for w in ws}
     groups = [ws] if len(dtypes) == 1 else [(w,) for w in ws]
     for g in groups:                                                     # one exchange per dtype
-        cat = jnp.concatenate([w.reshape(m, -1) for w in g], axis=1)
-        send = jnp.take(cat, src, axis=0, mode="fill", fill_value=0)
+        # each weight's rows first, then one concatenation of the few sent rows (concatenating the whole home
+        # weights first copied all m experts: the largest single op of MoonEP's step at R=8, E=896)
+        send = jnp.concatenate([jnp.take(w.reshape(m, -1), src, axis=0, mode="fill", fill_value=0) for w in g], 1)
         got = two_hop_exchange(send, route, axis, R)                     # [F, ·] in slot order
         a = 0
         for w in g:
@@ -292,32 +295,115 @@ def fetch_layout_index(fetch: jax.Array, layouts: tuple[tuple[int, int | None], 
     return jnp.argmax(fits).astype(jnp.int32)       # the last layout (the planner's bounds) always fits
 
 
-def box_capacity(S_K: int, m: int) -> int:
-    """Rows per expert slot of MoonEP's padded expert box: twice a home expert's mean group (``S·K / m`` pairs),
-    rounded up to 8. A plan whose largest group fits runs the experts as one batched GEMM per weight over a
-    ``[m + F, C]`` box (like the capacity baseline's, but nothing is dropped: a larger group runs the tiles)."""
-    return 8 * math.ceil(2 * S_K / m / 8)
+def one_hop_chunks(P_: int, R: int) -> tuple[int, ...]:
+    """Rows per (source, destination) chunk of the one-hop exchange, smallest first: 1.25×, 1.5× and 2× the mean
+    ``S·K / R`` (rounded up to 8, below S·K). The plan fixes every pair's rows ``T [R, R]`` before the exchange and
+    every rank knows them, so all ranks take the smallest chunk that holds ``max T`` — one static ``all_to_all`` of
+    an ``[R, c]`` box — or, past the largest, the two-hop exchange (two ``all_to_all`` and ≈ 2× the rows, any
+    counts). On ``benchmarks.moonep``'s routings the largest pair is 1.16–1.43× the mean; 2× (the two-hop
+    exchange's volume in one hop) is the last rung."""
+    out: list[int] = []
+    for f in (1.25, 1.5, 2.0):
+        c = 8 * math.ceil(math.ceil(f * P_ / R) / 8)
+        if c < P_ and c not in out:
+            out.append(c)
+    return tuple(out)
 
 
-def _experts_box(C: int, m_F: int, key: jax.Array, rx: jax.Array, W1, W3, W2, act: Act, S_K: int) -> jax.Array:
-    """Received rows ``rx [S·K, D]`` through their slot's expert in a ``[m_F, C, D]`` box; ``key = slot·S·K + row
-    within the slot's group`` (every row < C). Returns the outputs in receive order."""
-    pos = (key // S_K) * C + key % S_K
-    xb = jnp.zeros((m_F * C, rx.shape[1]), rx.dtype).at[pos].set(rx).reshape(m_F, C, -1)
-    hi = jax.lax.Precision.HIGHEST
-    f = jnp.promote_types(rx.dtype, jnp.float32)
-    dt = jnp.result_type(rx.dtype, W1.dtype)
-    h = act(jnp.einsum("gcd,gdi->gci", xb, W1.astype(dt), precision=hi),
-            jnp.einsum("gcd,gdi->gci", xb, W3.astype(dt), precision=hi))
-    y = jnp.einsum("gci,gid->gcd", h, W2.astype(h.dtype), precision=hi, preferred_element_type=f)
-    return jnp.take(y.reshape(m_F * C, -1), pos, axis=0)
+def _positions(L: PairLayout, T: jax.Array, r: jax.Array, c: int | None) -> tuple[jax.Array, jax.Array, int]:
+    """Send positions of this rank's pairs and the receive position of each of its segment rows, in an
+    ``[R, c]`` one-hop box, or (``c`` None) in the ragged layout — sent rows by destination, received rows by
+    source, each in (slot, order) — of the other exchanges. Returns ``(send_pos [P], recv_pos [P], rows)``."""
+    R = T.shape[0]
+    P_ = L.dest.shape[0]
+    if c is not None:
+        return L.dest * c + L.j, L.src_rank * c + L.src_row, R * c
+    out_start = jnp.cumsum(L.send) - L.send
+    in_start = jnp.cumsum(L.recv) - L.recv
+    return out_start[L.dest] + L.j, in_start[L.src_rank] + L.src_row, P_
 
 
-def _experts_tiles(sizes: jax.Array, key: jax.Array, rx: jax.Array, W1, W3, W2, act: Act, S_K: int) -> jax.Array:
-    """:func:`_experts_box` for any group sizes: the rows in expert-segment order through :func:`grouped_ffn`."""
-    seg = (jnp.cumsum(sizes) - sizes)[key // S_K] + key % S_K
-    y = grouped_ffn(jnp.zeros_like(rx).at[seg].set(rx), sizes, W1, W3, W2, act)
-    return jnp.take(y, seg, axis=0)
+def _pairs_to_slots_with(kind: str, c: int | None, axis: str, R: int):
+    """One exchange of pair rows ``[P, D]`` (source order) into segment rows ``[P, D]`` at their destination."""
+    def run(x, L, T):
+        r = jax.lax.axis_index(axis)
+        send_pos, recv_pos, n = _positions(L, T, r, c)
+        sent = rows_at(x, inverse_map(send_pos, n))                          # the send buffer
+        if c is not None:
+            got = jax.lax.all_to_all(sent.reshape(R, c, -1), axis, 0, 0).reshape(n, -1)
+        elif kind == "two_hop":
+            got = two_hop_exchange(sent, two_hop_route(T, r, n, n), axis, R)
+        elif kind == "gather":
+            read, back = _gather_indices(T, r, n)
+            got = _gather_exchange(sent, read, back, axis)
+        else:
+            in_off, send, out_off, recv, _, _ = _exchange_offsets(T, r)
+            got = _ragged(kind)(sent, jnp.zeros_like(sent), in_off, send, out_off, recv, axis_name=axis)
+        return rows_at(got, recv_pos)
+    return run
+
+
+def _slots_to_pairs_with(kind: str, c: int | None, axis: str, R: int):
+    """The transpose of :func:`_pairs_to_slots_with`: segment rows back to their source's pair order."""
+    def run(y, L, T):
+        r = jax.lax.axis_index(axis)
+        send_pos, recv_pos, n = _positions(L, T, r, c)
+        got = rows_at(y, inverse_map(recv_pos, n))
+        if c is not None:
+            sent = jax.lax.all_to_all(got.reshape(R, c, -1), axis, 0, 0).reshape(n, -1)
+        elif kind == "two_hop":
+            sent = two_hop_return(got, two_hop_route(T, r, n, n), axis, R, n)
+        elif kind == "gather":
+            read, back = _gather_indices(T, r, n)
+            sent = _gather_exchange(got, back, read, axis)
+        else:
+            _, send, _, recv, recv_in_off, back_out = _exchange_offsets(T, r)
+            sent = _ragged(kind)(got, jnp.zeros_like(got), recv_in_off, recv, back_out, send, axis_name=axis)
+        return rows_at(sent, send_pos)
+    return run
+
+
+def _exchange_branches(kind: str, chunks: tuple[int, ...], axis: str, R: int, back: bool):
+    make = _slots_to_pairs_with if back else _pairs_to_slots_with
+    fallback = "two_hop" if kind == "one_hop" else kind
+    return [make(kind, c, axis, R) for c in chunks] + [make(fallback, None, axis, R)]
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _pairs_to_slots(x, L, T, index, kind, chunks, axis, R):
+    """Pair rows to their destination's segment rows by the ``index``-th of :func:`_exchange_branches` (the same
+    on every rank); the backward is the return trip of the same branch."""
+    return jax.lax.switch(index, _exchange_branches(kind, chunks, axis, R, False), x, L, T)
+
+
+def _p2s_fwd(x, L, T, index, kind, chunks, axis, R):
+    return _pairs_to_slots(x, L, T, index, kind, chunks, axis, R), (L, T, index)
+
+
+def _p2s_bwd(kind, chunks, axis, R, res, ct):
+    L, T, index = res
+    return jax.lax.switch(index, _exchange_branches(kind, chunks, axis, R, True), ct, L, T), None, None, None
+
+
+_pairs_to_slots.defvjp(_p2s_fwd, _p2s_bwd)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _slots_to_pairs(y, L, T, index, kind, chunks, axis, R):
+    """The return trip of :func:`_pairs_to_slots` (its transpose, and the other's backward)."""
+    return jax.lax.switch(index, _exchange_branches(kind, chunks, axis, R, True), y, L, T)
+
+
+def _s2p_fwd(y, L, T, index, kind, chunks, axis, R):
+    return _slots_to_pairs(y, L, T, index, kind, chunks, axis, R), (L, T, index)
+
+
+def _s2p_bwd(kind, chunks, axis, R, res, ct):
+    L, T, index = res
+    return jax.lax.switch(index, _exchange_branches(kind, chunks, axis, R, False), ct, L, T), None, None, None
+
+
+_slots_to_pairs.defvjp(_s2p_fwd, _s2p_bwd)
 
 
 def moonep_local(z, idx, w, w1, w3, w2, *, act: Act, axis: str, exchange: str = "dense"):
@@ -331,82 +417,68 @@ def moonep_local(z, idx, w, w1, w3, w2, *, act: Act, axis: str, exchange: str = 
     e_flat = idx.reshape(Pn).astype(jnp.int32)
     counts = jax.lax.all_gather(_bincount(e_flat, E), axis)               # [R, E]
     pl = plan(counts)
-    dest, group, row = destination_slots(pl.alloc, counts, r, e_flat)
-    key = group * Pn + row                                                # slot and row there, one int
-    order = jnp.argsort(dest, stable=True)
-    send_x = jnp.take(z, order // K, axis=0)
-    T = pair_counts(counts, pl.alloc)                                     # = every rank's bincount of dest
-    in_off, send, out_off, recv, recv_in_off, back_out, T = _exchange_plan(dest[order], R, axis, T)
-    overflow = jnp.int32(0)
-    if exchange == "gather":   # the forward's and the return's row maps, both from T
-        read, back = _gather_indices(T, r, Pn)
-        a2a = None
-        rx = _gather_exchange(send_x, read, back, axis)
-        rkey = _take_rows(jax.lax.all_gather(key[order], axis, tiled=True), read)
-    elif exchange == "two_hop":
-        a2a = None
-        route = two_hop_route(T, r, Pn, Pn)
-        overflow = route.overflow
-        rx = two_hop_exchange(send_x, route, axis, R)
-        rkey = two_hop_exchange(key[order], route, axis, R)
-    else:
-        a2a = _ragged(exchange)
-        rx = a2a(send_x, jnp.zeros_like(send_x), in_off, send, out_off, recv, axis_name=axis)
-        rkey = a2a(key[order], jnp.zeros_like(key), in_off, send, out_off, recv, axis_name=axis)
-    experts, sizes, fetch = slots_from_alloc(pl.alloc)
-    # The experts over the home slots and F redundant ones, F from the first of fetch_layouts that holds every
-    # rank's fetches, in a [m + F, C] box when every rank's largest group fits C, else in tiles (the plan is the
-    # same on every rank, so all ranks take the same branch). The layouts with the smallest F share their
-    # output's shape, so their weight fetch runs before the choice (differentiated as it is, its residuals are
-    # index maps); a larger F fetches inside its branch, whose backward recomputes it.
-    layouts = fetch_layouts(m, R, exchange == "two_hop")
-    C = box_capacity(Pn, m)
-    layout = fetch_layout_index(fetch, layouts, m, R)
+    L = pair_layout(counts, pl.alloc, r, e_flat)
+    T = pair_counts(counts, pl.alloc)                                     # [R, R], the same on every rank
+    chunks = one_hop_chunks(Pn, R) if exchange == "one_hop" else ()
+    chunk = jnp.sum(jnp.max(T) > jnp.asarray(chunks, jnp.int32)).astype(jnp.int32) if chunks else jnp.int32(0)
+    route = (L, T, chunk, exchange, chunks, axis, R)
+    zp = jnp.broadcast_to(z[:, None], (S, K, z.shape[-1])).reshape(Pn, -1)  # pair p = (token p // K, choice)
+    xs = _pairs_to_slots(zp, *route)                                      # [Pn, D] by slot here
+    _, _, fetch = slots_from_alloc(pl.alloc)
+    # The experts: the m home slots and the first F0 redundant ones (F0 = fetch_menu's small count; weights
+    # fetched in the smallest of the F0 layouts that holds every rank's first F0 slots) through the grouped FFN,
+    # outside any branch, so nothing in the common step sits behind a conditional. The slots past F0 — a rank
+    # hosting more redundant experts, e.g. every rank a hot rank fills — run in a branch taken only then (the
+    # plan is the same on every rank, so all take it together): their own weight fetch and grouped FFN over the
+    # segment rows after the first m + F0 slots; its backward recomputes it.
+    two_hop_fetch = exchange in ("one_hop", "two_hop")
+    layouts = fetch_layouts(m, R, two_hop_fetch)
     F0 = layouts[0][0]
-    n0 = sum(F == F0 for F, _ in layouts)
+    main = tuple(lt for lt in layouts if lt[0] == F0)
+    layout = fetch_layout_index(fetch[:, :F0], main, m, R)
 
-    def fetch_with(F: int, M_in: int | None):
+    def fetch_with(F: int, M_in: int | None, first: int = 0):
         def run(fetch, w1, w3, w2):
-            if exchange == "two_hop":
-                return _fetch_weights_two_hop((w1, w3, w2), fetch[:, :F], axis, R, M_in)
-            return _fetch_weights((w1, w3, w2), fetch[:, :F], axis, R), jnp.int32(0)
+            if two_hop_fetch:
+                return _fetch_weights_two_hop((w1, w3, w2), fetch[:, first:first + F], axis, R, M_in)
+            return _fetch_weights((w1, w3, w2), fetch[:, first:first + F], axis, R), jnp.int32(0)
         return run
 
-    pre, pre_overflow = jax.lax.switch(jnp.minimum(layout, n0 - 1), [fetch_with(*lt) for lt in layouts[:n0]],
-                                       fetch, w1, w3, w2)
+    pre, overflow = jax.lax.switch(layout, [fetch_with(*lt) for lt in main], fetch, w1, w3, w2)
+    W = [jnp.concatenate([a, b.astype(a.dtype)], 0) for a, b in zip((w1, w3, w2), pre)]
+    ys = grouped_ffn(xs, L.sizes[:m + F0], *W, act, strategy="padded")
+    more = jnp.max(jnp.sum(fetch >= 0, axis=1)) > F0
+    if F0 < m:
+        def none(ints, floats):
+            return jnp.zeros(ys.shape, ys.dtype), jnp.int32(0)
 
-    def experts_with(F: int, M_in: int | None, box: bool, prefetched: bool):
-        def run(ints, floats):
-            fetch, sizes_r, rkey = ints
-            rx, w1, w3, w2, *fw = floats
-            fetch_overflow = jnp.int32(0)
-            if not prefetched:
-                fw, fetch_overflow = fetch_with(F, M_in)(fetch, w1, w3, w2)
-            W = [jnp.concatenate([a, b.astype(a.dtype)], 0) for a, b in zip((w1, w3, w2), fw)]
-            if box:
-                return _experts_box(C, m + F, rkey, rx, *W, act, Pn), fetch_overflow
-            return _experts_tiles(sizes_r[:m + F], rkey, rx, *W, act, Pn), fetch_overflow
-        return run
+        def slots_past_F0(ints, floats):
+            fetch, sizes = ints
+            xs, w1, w3, w2 = floats
+            fw, fetch_overflow = fetch_with(m - F0, None, F0)(fetch, w1, w3, w2)
+            q = jnp.arange(Pn, dtype=jnp.int32)
+            first = jnp.sum(sizes[:m + F0])                               # their rows follow the first m + F0 slots
+            y = grouped_ffn(rows_at(xs, jnp.where(q + first < Pn, q + first, -1)), sizes[m + F0:], *fw, act,
+                            strategy="padded")
+            return rows_at(y, jnp.where(q >= first, q - first, -1)).astype(ys.dtype), fetch_overflow
 
-    branches = [experts_with(F0, None, box, True) for box in (True, False)]
-    branches += [experts_with(F, M, box, False) for F, M in layouts[n0:] for box in (True, False)]
-    branch = 2 * jnp.maximum(layout - n0 + 1, 0) + (jnp.max(sizes) > C).astype(jnp.int32)
-    floats = (rx, w1, w3, w2, *pre)
-    y_rows, fetch_overflow = switch_recompute(branch, branches, (fetch, sizes[r], rkey), floats)
-    fetch_overflow = fetch_overflow + jnp.where(layout < n0, pre_overflow, 0)
-    overflow = overflow + fetch_overflow
-    if exchange == "two_hop":  # the return trip is the forward exchange transposed
-        y_send = two_hop_return(y_rows, route, axis, R, Pn)
-    elif a2a is None:
-        y_send = _gather_exchange(y_rows, back, read, axis)
-    else:
-        y_send = a2a(y_rows, jnp.zeros_like(y_rows), recv_in_off, recv, back_out, send, axis_name=axis)
-    y_pairs = jnp.zeros_like(y_send).at[order].set(y_send)
+        y_more, more_overflow = switch_recompute(more.astype(jnp.int32), [none, slots_past_F0], (fetch, L.sizes),
+                                                 (xs, w1, w3, w2))
+        ys = ys + y_more
+        overflow += more_overflow
+    if exchange in ("one_hop", "two_hop"):   # rows a two-hop exchange of the pairs could not carry
+        two_hop = exchange == "two_hop" or chunk == len(chunks)
+        overflow += jnp.where(two_hop, two_hop_route(T, r, Pn, Pn).overflow, 0)
+    y_pairs = _slots_to_pairs(ys, *route)
     y = jnp.sum(y_pairs.reshape(S, K, -1) * w.astype(y_pairs.dtype)[..., None], axis=1)
+    caps = jnp.asarray(padded_caps(Pn, m + F0) or (0,), jnp.int32)
+    box = jnp.min(jnp.where(caps >= jnp.max(L.sizes[:m + F0]), caps, Pn + 1))
     stats = {"fills": pl.n_fills, "fetched_experts": jnp.sum(fetch >= 0), "recv_rows": jnp.int32(Pn),
-             "fetch_slots": jnp.asarray([F for F, _ in layouts], jnp.int32)[layout],
-             "fetch_rows": jnp.asarray([-1 if M is None else M for _, M in layouts], jnp.int32)[layout],
-             "box_rows": jnp.where(branch % 2 == 0, C, 0).astype(jnp.int32),
+             "fetch_slots": jnp.where(more, layouts[-1][0], F0).astype(jnp.int32),
+             "fetch_rows": jnp.where(more, layouts[-1][1] or -1,
+                                     jnp.asarray([M or -1 for _, M in main], jnp.int32)[layout]).astype(jnp.int32),
+             "box_rows": jnp.where(box <= Pn, box, 0).astype(jnp.int32),
+             "chunk_rows": jnp.asarray(list(chunks) + [0], jnp.int32)[chunk],
              "dropped": jnp.int32(0), "overflow": overflow}
     return y, stats
 
@@ -438,7 +510,7 @@ def dropless_local(z, idx, w, w1, w3, w2, *, act: Act, axis: str, exchange: str 
     y_pairs = jnp.zeros_like(y_send).at[order].set(y_send)
     y = jnp.sum(y_pairs.reshape(S, K, -1) * w.astype(y_pairs.dtype)[..., None], axis=1)
     return y, {"fills": jnp.int32(0), "fetched_experts": jnp.int32(0), "fetch_slots": jnp.int32(0),
-               "fetch_rows": jnp.int32(0), "box_rows": jnp.int32(0), "recv_rows": jnp.int32(R * Pn),
+               "fetch_rows": jnp.int32(0), "box_rows": jnp.int32(0), "chunk_rows": jnp.int32(0), "recv_rows": jnp.int32(R * Pn),
                "dropped": jnp.int32(0), "overflow": jnp.int32(0)}
 
 
@@ -467,7 +539,7 @@ def capacity_local(z, idx, w, w1, w3, w2, *, act: Act, axis: str, capacity_facto
     y_pairs = jnp.where(keep[:, None], back[jnp.minimum(e_flat, E - 1), jnp.minimum(pos, C - 1)], 0.0)
     y = jnp.sum(y_pairs.reshape(S, K, -1) * w.astype(f)[..., None], axis=1)
     return y, {"fills": jnp.int32(0), "fetched_experts": jnp.int32(0), "fetch_slots": jnp.int32(0),
-               "fetch_rows": jnp.int32(0), "box_rows": jnp.int32(0), "recv_rows": jnp.int32(E * C),
+               "fetch_rows": jnp.int32(0), "box_rows": jnp.int32(0), "chunk_rows": jnp.int32(0), "recv_rows": jnp.int32(E * C),
                "dropped": jnp.sum(~keep).astype(jnp.int32), "overflow": jnp.int32(0)}
 
 
@@ -482,7 +554,7 @@ class ExpertParallel:
     mesh: jax.sharding.Mesh
     method: str = "moonep"              # "moonep" | "dropless" | "capacity"
     capacity_factor: float = 1.25
-    exchange: str = "auto"              # "gather" | "dense" (CPU) | "ragged" | "auto"
+    exchange: str = "auto"              # "one_hop" | "two_hop" | "gather" | "dense" (CPU) | "ragged" | "auto"
 
     @property
     def active(self) -> bool:
@@ -537,7 +609,7 @@ def moe_expert_parallel(z: jax.Array, idx: jax.Array, w: jax.Array, w1: jax.Arra
     if z.shape[0] % ntok:
         raise ValueError(f"{z.shape[0]} tokens do not split over mesh axes {tax} ({ntok} shards)")
     if exchange == "auto":
-        exchange = "two_hop" if jax.default_backend() == "cpu" else "ragged"
+        exchange = "one_hop" if jax.default_backend() == "cpu" else "ragged"
     if exchange not in EXCHANGES:
         raise ValueError(f"exchange: expected one of {EXCHANGES} or 'auto', got {exchange!r}")
     kw = {"act": act, "axis": axis, "exchange": exchange}

@@ -47,7 +47,7 @@ def two_hop_sizes(R: int, M_in: int, M_out: int, c2: int | None = None) -> tuple
     return c1, max(1, c2 if c2 is not None else math.ceil(M_out / R) + R - 1)
 
 
-def _inverse(f: jax.Array, n: int) -> jax.Array:
+def inverse_map(f: jax.Array, n: int) -> jax.Array:
     """``inv [n]`` with ``inv[f[p]] = p`` for the valid entries of the injective map ``f`` (−1 elsewhere)."""
     p = jnp.arange(f.shape[0], dtype=jnp.int32)
     return jnp.full((n,), -1, jnp.int32).at[jnp.where(f >= 0, f, n)].set(p, mode="drop")
@@ -86,10 +86,10 @@ def two_hop_route(T: jax.Array, r: jax.Array, M_in: int, M_out: int, c2: int | N
     p3 = base[i3, s3, r] + (k3 - k0[i3, s3, r]) // R
     ok = (q < cum_out[-1]) & (p3 < c2)
     fwd3 = jnp.where(ok, i3 * c2 + p3, -1).astype(jnp.int32)
-    return TwoHopRoute(fwd2, _inverse(fwd2, R * c1), fwd3, _inverse(fwd3, R * c2), overflow)
+    return TwoHopRoute(fwd2, inverse_map(fwd2, R * c1), fwd3, inverse_map(fwd3, R * c2), overflow)
 
 
-def _rows(x: jax.Array, idx: jax.Array) -> jax.Array:
+def rows_at(x: jax.Array, idx: jax.Array) -> jax.Array:
     """``x[idx]`` with 0 where ``idx < 0`` (``take`` would wrap −1 to the last row)."""
     return jnp.take(x, jnp.where(idx < 0, x.shape[0], idx), axis=0, mode="fill", fill_value=0)
 
@@ -101,18 +101,18 @@ def _forward(x, route: TwoHopRoute, axis: str, R: int):
     xp = jnp.pad(x, [(0, R * c1 - x.shape[0])] + [(0, 0)] * len(tail))
     box1 = jnp.swapaxes(xp.reshape(c1, R, *tail), 0, 1)                   # box1[i, j] = x[j·R + i]
     recv1 = jax.lax.all_to_all(box1, axis, 0, 0).reshape(R * c1, *tail)
-    box2 = _rows(recv1, route.fwd2).reshape(R, c2, *tail)
+    box2 = rows_at(recv1, route.fwd2).reshape(R, c2, *tail)
     recv2 = jax.lax.all_to_all(box2, axis, 0, 0).reshape(R * c2, *tail)
-    return _rows(recv2, route.fwd3)
+    return rows_at(recv2, route.fwd3)
 
 
 def _backward(y, route: TwoHopRoute, axis: str, R: int, M_in: int):
     c1 = route.inv2.shape[0] // R
     c2 = route.inv3.shape[0] // R
     tail = y.shape[1:]
-    recv2 = _rows(y, route.inv3).reshape(R, c2, *tail)
+    recv2 = rows_at(y, route.inv3).reshape(R, c2, *tail)
     box2 = jax.lax.all_to_all(recv2, axis, 0, 0).reshape(R * c2, *tail)
-    recv1 = _rows(box2, route.inv2).reshape(R, c1, *tail)
+    recv1 = rows_at(box2, route.inv2).reshape(R, c1, *tail)
     box1 = jax.lax.all_to_all(recv1, axis, 0, 0)
     return jnp.swapaxes(box1, 0, 1).reshape(R * c1, *tail)[:M_in]
 

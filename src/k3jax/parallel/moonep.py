@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from k3jax.ops.grouped import count_le
+
 
 class PlanError(ValueError):
     """Counts that no S×K plan can serve (shape, divisibility, negative or unequal per-rank totals)."""
@@ -215,3 +217,63 @@ def pair_counts(counts: jax.Array, alloc: jax.Array) -> jax.Array:
     lo = jnp.maximum(s_lo[:, None, :], (d_hi - alloc)[None])
     hi = jnp.minimum((s_lo + counts)[:, None, :], d_hi[None])
     return jnp.sum(jnp.maximum(hi - lo, 0), axis=-1).astype(jnp.int32)
+
+
+class PairLayout(NamedTuple):
+    """Where one rank's pairs go and where its slots' rows come from, under a plan (all int32).
+
+    Each source sends its pairs for destination d as one chunk ordered by d's expert slot
+    (:func:`slot_index`), then by the pairs' global order; each destination lays the rows it receives out in
+    *segment order* — by slot, within a slot by source, then in the source's order — exactly S·K rows, the
+    grouped matmul's input. Both sides derive their halves from the replicated ``counts`` and ``alloc``, so no
+    row carries its slot or position through the exchange."""
+    dest: jax.Array        # [P] as source: each pair's destination rank
+    j: jax.Array           # [P] as source: its row in the chunk for that destination
+    send: jax.Array        # [R] as source: rows sent to each destination (T[r, :])
+    recv: jax.Array        # [R] as destination: rows received from each source (T[:, r])
+    sizes: jax.Array       # [2m] as destination: rows of each slot (slots_from_alloc's order)
+    src_rank: jax.Array    # [P] as destination: the source of each segment row
+    src_row: jax.Array     # [P] as destination: its row in that source's chunk for this rank
+
+
+def pair_layout(counts: jax.Array, alloc: jax.Array, rank: jax.Array, idx: jax.Array) -> PairLayout:
+    """:class:`PairLayout` of source/destination ``rank`` whose pairs have experts ``idx [P]`` (local order).
+
+    With ``[lo, hi)`` the range of expert e's global order that source s holds (``counts``, by source) and
+    ``[lo', hi')`` the cut destination d processes (``alloc``, by destination), s sends d ``|[lo, hi) ∩ [lo',
+    hi')|`` pairs of e — the same overlap :func:`pair_counts` sums."""
+    counts = jnp.asarray(counts, jnp.int32)
+    alloc = jnp.asarray(alloc, jnp.int32)
+    R, E = counts.shape
+    P_ = idx.shape[0]
+    s_hi = jnp.cumsum(counts, 0)
+    s_lo = s_hi - counts                                                              # [s, e]
+    d_hi = jnp.cumsum(alloc, 0)
+    d_lo = d_hi - alloc                                                               # [d, e]
+    slot = slot_index(alloc)                                                          # [d, e]
+    n_slots = 2 * (E // R)
+    # as source: my overlap with every destination's cut, laid out by the destination's slots
+    first = jnp.maximum(s_lo[rank][None], d_lo)                                       # [d, e]
+    ov = jnp.maximum(jnp.minimum(s_hi[rank][None], d_hi) - first, 0)
+    rows = jnp.arange(R)[:, None]
+    ov_slot = jnp.zeros((R, n_slots + 1), jnp.int32).at[rows, jnp.where(ov > 0, slot, n_slots)].add(ov)
+    chunk_off = jnp.cumsum(ov_slot, 1) - ov_slot                                      # [d, slot]
+    pos = s_lo[rank, idx] + rank_in_group(idx, E)                                     # [P] place in e's order
+    dest = jnp.sum(d_hi[:, idx] <= pos[None, :], axis=0).astype(jnp.int32)
+    j = chunk_off[dest, slot[dest, idx]] + pos - first[dest, idx]
+    # as destination: every source's overlap with my slots' cuts
+    experts, sizes_all, _ = slots_from_alloc(alloc)
+    mine = experts[rank]
+    e = jnp.maximum(mine, 0)
+    ovr = jnp.where(mine[None] >= 0, jnp.maximum(jnp.minimum(s_hi[:, e], d_hi[rank, e][None])
+                                                 - jnp.maximum(s_lo[:, e], d_lo[rank, e][None]), 0), 0)   # [s, g]
+    through = jnp.cumsum(ovr, 0)                                                      # [s, g] inclusive
+    sizes = sizes_all[rank]
+    seg_end = jnp.cumsum(sizes)
+    q = jnp.arange(P_, dtype=jnp.int32)
+    g = jnp.minimum(count_le(seg_end, P_), n_slots - 1)
+    k = q - (seg_end - sizes)[g]
+    s = jnp.minimum(jnp.sum(through[:, g] <= k[None, :], axis=0), R - 1).astype(jnp.int32)
+    src_row = (jnp.cumsum(ovr, 1) - ovr)[s, g] + k - (through[s, g] - ovr[s, g])
+    return PairLayout(dest, j.astype(jnp.int32), ov.sum(1).astype(jnp.int32), ovr.sum(1).astype(jnp.int32),
+                      sizes, s, src_row.astype(jnp.int32))
