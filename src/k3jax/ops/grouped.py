@@ -229,15 +229,18 @@ def _check_strategy(strategy: str | None) -> str:
 def grouped_ffn(xs: jax.Array, sizes: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
                 act: Act, *, strategy: str | None = None, tile: int | None = None) -> jax.Array:
     """Rows ``xs [M, D]`` sorted into consecutive groups of ``sizes [G]`` (Σ ≤ M; rows past the groups give 0),
-    group g through expert g: ``act(x W1_g, x W3_g) W2_g`` → ``[M, D]`` in ``promote(dtype, f32)``.
+    group g through expert g: ``act(x W1_g, x W3_g) W2_g`` → ``[M, D]`` in ``promote(dtype, f32)``. Each weight
+    is ``[G, ...]`` or a tuple of parts stacked along the expert axis (not copied into one array by the box).
 
     ``"tiles"`` lays the rows out once (:func:`tile_layout`) and runs all three products and the activation
     in the tiled layout (padding rows are zeros and are never read back)."""
     f = acc_dtype(xs)
     M, D = xs.shape
-    G, _, I = w_gate.shape
+    G = sum(w.shape[0] for w in _parts(w_gate))
+    I = _parts(w_gate)[0].shape[-1]
     strategy = resolve_strategy(strategy, M, G)
     if strategy == "ragged":
+        w_gate, w_up, w_down = (jnp.concatenate(_parts(w), 0) for w in (w_gate, w_up, w_down))
         h = act(jax.lax.ragged_dot(xs, w_gate, sizes, precision=HIGHEST),
                 jax.lax.ragged_dot(xs, w_up, sizes, precision=HIGHEST))
         return jax.lax.ragged_dot(h, w_down, sizes, precision=HIGHEST, preferred_element_type=f)
@@ -249,10 +252,17 @@ def _ein(a: jax.Array, b: jax.Array, spec: str, out) -> jax.Array:
     return jnp.einsum(spec, a, b.astype(a.dtype), precision=HIGHEST, preferred_element_type=out)
 
 
+def _parts(w) -> tuple[jax.Array, ...]:
+    """Expert weights given whole (``[G, ...]``) or as parts stacked along the expert axis (a tuple)."""
+    return tuple(w) if isinstance(w, (tuple, list)) else (w,)
+
+
 class _Blocks:
     """The grouped rows laid out as blocks of equal rows, each block through one expert: the ``[G, C]`` padded box
     (block g = group g) or tiles of ``t`` rows (block n = a tile of group ``group[n]``). ``src`` gives the row
-    at each block position (M = empty), ``dest`` each row's block position."""
+    at each block position (M = empty), ``dest`` each row's block position. Weights come as parts along the
+    expert axis (e.g. a MoonEP rank's home experts and its fetched ones): the box multiplies each part's blocks by
+    it as it is, so the experts' weights are never copied into one array; the tiles gather per-tile weights."""
 
     def __init__(self, sizes: jax.Array, M: int, G: int, cap: int | None, tile: int):
         self.G = G
@@ -269,46 +279,63 @@ class _Blocks:
     def unblock(self, y: jax.Array) -> jax.Array:
         return jnp.take(y.reshape(-1, y.shape[-1]), self.dest, axis=0, mode="fill", fill_value=0)
 
-    def weights(self, w: jax.Array) -> jax.Array:
-        return w if self.group is None else jnp.take(w, self.group, axis=0)
+    def _spans(self, parts):
+        g0 = 0
+        for w in parts:
+            yield g0, g0 + w.shape[0], w
+            g0 += w.shape[0]
 
-    def reduce(self, dw: jax.Array) -> jax.Array:
-        """Block weight gradients ``[blocks, ...]`` → per-expert ``[G, ...]``."""
-        return dw if self.group is None else jnp.zeros((self.G, *dw.shape[1:]), dw.dtype).at[self.group].add(dw)
+    def matmul(self, xb: jax.Array, parts: tuple, spec: str, out) -> jax.Array:
+        """Each block through its expert's weight (``spec`` over block, rows and the weight's two axes)."""
+        if self.group is None:
+            ys = [_ein(xb[g0:g1], w, spec, out) for g0, g1, w in self._spans(parts)]
+            return ys[0] if len(ys) == 1 else jnp.concatenate(ys, 0)
+        w = parts[0] if len(parts) == 1 else jnp.concatenate(parts, 0)
+        return _ein(xb, jnp.take(w, self.group, axis=0), spec, out)
+
+    def weight_grad(self, a: jax.Array, b: jax.Array, parts: tuple, spec: str, out) -> tuple[jax.Array, ...]:
+        """Per-part expert weight gradients from block operands ``a, b`` (``spec`` → the weight's axes)."""
+        if self.group is None:
+            return tuple(_ein(a[g0:g1], b[g0:g1], spec, out) for g0, g1, _ in self._spans(parts))
+        dw = _ein(a, b, spec, out)
+        full = jnp.zeros((self.G, *dw.shape[1:]), dw.dtype).at[self.group].add(dw)
+        return tuple(full[g0:g1] for g0, g1, _ in self._spans(parts))
 
 
-def grouped_ffn_forward(xs: jax.Array, sizes: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
-                        act: Act, caps: tuple[int, ...], tile: int) -> tuple[jax.Array, tuple]:
+def grouped_ffn_forward(xs: jax.Array, sizes: jax.Array, w_gate, w_up, w_down, act: Act, caps: tuple[int, ...],
+                        tile: int) -> tuple[jax.Array, tuple]:
     """:func:`grouped_ffn`'s forward in the smallest of ``caps`` (padded box) that holds the largest group, else
     in tiles of ``tile`` rows, chosen at run time; returns ``(y [M, D], residuals)`` for
     :func:`grouped_ffn_backward`. The residuals are the gate and up products in row order (``[M, I]`` each, the
-    same shape for every layout), so the backward re-lays them out instead of recomputing three products."""
+    same shape for every layout), so the backward re-lays them out instead of recomputing three products.
+    Weights: arrays ``[G, ...]`` or tuples of parts along the expert axis."""
     M, _ = xs.shape
-    G, _, I = w_gate.shape
-    dt, f = jnp.result_type(xs.dtype, w_gate.dtype), acc_dtype(xs)
+    wg, wu, wd = _parts(w_gate), _parts(w_up), _parts(w_down)
+    G = sum(w.shape[0] for w in wg)
+    dt, f = jnp.result_type(xs.dtype, wg[0].dtype), acc_dtype(xs)
     index = jnp.sum(jnp.max(sizes) > jnp.asarray(caps, jnp.int32)).astype(jnp.int32) if caps else jnp.int32(0)
 
     def branch(cap):
         def run(sizes, xs, wg, wu, wd):
             lay = _Blocks(sizes, M, G, cap, tile)
             xb = lay.blocks(xs.astype(dt))
-            a, b = _ein(xb, lay.weights(wg), "gcd,gdi->gci", dt), _ein(xb, lay.weights(wu), "gcd,gdi->gci", dt)
-            y = _ein(act(a, b), lay.weights(wd), "gci,gid->gcd", f)
+            a, b = lay.matmul(xb, wg, "gcd,gdi->gci", dt), lay.matmul(xb, wu, "gcd,gdi->gci", dt)
+            y = lay.matmul(act(a, b), wd, "gci,gid->gcd", f)
             return lay.unblock(y), lay.unblock(a), lay.unblock(b)
         return run
 
-    y, a, b = jax.lax.switch(index, [branch(c) for c in caps] + [branch(None)], sizes, xs, w_gate, w_up, w_down)
+    y, a, b = jax.lax.switch(index, [branch(c) for c in caps] + [branch(None)], sizes, xs, wg, wu, wd)
     return y, (index, a, b)
 
 
-def grouped_ffn_backward(xs: jax.Array, sizes: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
-                         act: Act, caps: tuple[int, ...], tile: int, res: tuple, ct: jax.Array
-                         ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+def grouped_ffn_backward(xs: jax.Array, sizes: jax.Array, w_gate, w_up, w_down, act: Act, caps: tuple[int, ...],
+                         tile: int, res: tuple, ct: jax.Array) -> tuple:
     """The VJP of :func:`grouped_ffn_forward` for the cotangent ``ct [M, D]`` of ``y``: ``(dxs, dw_gate, dw_up,
-    dw_down)``, in the layout the forward ran."""
+    dw_down)`` in the layout the forward ran, each weight's gradient shaped as it was given (array or parts)."""
     M, _ = xs.shape
-    G = w_gate.shape[0]
-    dt, f = jnp.result_type(xs.dtype, w_gate.dtype), acc_dtype(xs)
+    wg, wu, wd = _parts(w_gate), _parts(w_up), _parts(w_down)
+    G = sum(w.shape[0] for w in wg)
+    dt, f = jnp.result_type(xs.dtype, wg[0].dtype), acc_dtype(xs)
     index, a_rows, b_rows = res
 
     def branch(cap):
@@ -316,16 +343,17 @@ def grouped_ffn_backward(xs: jax.Array, sizes: jax.Array, w_gate: jax.Array, w_u
             lay = _Blocks(sizes, M, G, cap, tile)
             xb, dy = lay.blocks(xs.astype(dt)), lay.blocks(ct).astype(dt)
             h, act_vjp = jax.vjp(act, lay.blocks(a_rows), lay.blocks(b_rows))
-            wg_b, wu_b, wd_b = lay.weights(wg), lay.weights(wu), lay.weights(wd)
-            da, db = act_vjp(_ein(dy, wd_b, "gcd,gid->gci", dt))
-            dxb = _ein(da, wg_b, "gci,gdi->gcd", f) + _ein(db, wu_b, "gci,gdi->gcd", f)
-            return (lay.unblock(dxb), lay.reduce(_ein(xb, da, "gcd,gci->gdi", f)),
-                    lay.reduce(_ein(xb, db, "gcd,gci->gdi", f)), lay.reduce(_ein(h, dy, "gci,gcd->gid", f)))
+            da, db = act_vjp(lay.matmul(dy, wd, "gcd,gid->gci", dt))
+            dxb = lay.matmul(da, wg, "gci,gdi->gcd", f) + lay.matmul(db, wu, "gci,gdi->gcd", f)
+            return (lay.unblock(dxb), lay.weight_grad(xb, da, wg, "gcd,gci->gdi", f),
+                    lay.weight_grad(xb, db, wu, "gcd,gci->gdi", f), lay.weight_grad(h, dy, wd, "gci,gcd->gid", f))
         return run
 
-    grads = jax.lax.switch(index, [branch(c) for c in caps] + [branch(None)], sizes, xs, w_gate, w_up, w_down,
-                           a_rows, b_rows, ct)
-    return tuple(g.astype(o.dtype) for g, o in zip(grads, (xs, w_gate, w_up, w_down)))
+    dxs, dwg, dwu, dwd = jax.lax.switch(index, [branch(c) for c in caps] + [branch(None)], sizes, xs, wg, wu, wd,
+                                        a_rows, b_rows, ct)
+    cast = lambda gs, ws, orig: (tuple(g.astype(w.dtype) for g, w in zip(gs, ws))  # noqa: E731
+                                 if isinstance(orig, (tuple, list)) else gs[0].astype(ws[0].dtype))
+    return dxs.astype(xs.dtype), cast(dwg, wg, w_gate), cast(dwu, wu, w_up), cast(dwd, wd, w_down)
 
 
 def _grouped_ffn(xs, sizes, w_gate, w_up, w_down, act: Act, caps: tuple[int, ...], tile: int) -> jax.Array:

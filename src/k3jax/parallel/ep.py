@@ -445,7 +445,7 @@ def moonep_local(z, idx, w, w1, w3, w2, *, act: Act, axis: str, exchange: str = 
         return run
 
     pre, overflow = jax.lax.switch(layout, [fetch_with(*lt) for lt in main], fetch, w1, w3, w2)
-    W = [jnp.concatenate([a, b.astype(a.dtype)], 0) for a, b in zip((w1, w3, w2), pre)]
+    W = [(a, b.astype(a.dtype)) for a, b in zip((w1, w3, w2), pre)]       # home and fetched, not concatenated
     ys = grouped_ffn(xs, L.sizes[:m + F0], *W, act, strategy="padded")
     more = jnp.max(jnp.sum(fetch >= 0, axis=1)) > F0
     if F0 < m:
