@@ -8,18 +8,20 @@ Zipf 1.0 / 1.5 over experts, hot rank — a third of the mass on rank 0's expert
 per rank, MoE forward+backward step time (median of ``--reps`` after warm-up), drop rate, planner fills and
 fetched redundant experts. Planner-only at R=64: jitted time per plan and the largest number of redundant experts
 on one rank; fetches compared with a chain that always takes from the most overloaded donor (the reference's rule).
-The exchange on CPU (see ``k3jax.parallel.ep``): row ``moonep`` uses the default ``two_hop`` exchange (two static
-all_to_all through an intermediate rank, ≈ 2·S·K rows per rank, and the redundant-weight fetch the same way);
-``moonep_gather_exchange`` the previous default (one all_gather of the send rows and of every home's expert
-weights) and ``moonep_dense_exchange`` the box all_to_all — both receive R·S·K rows transiently. The MoonEP buffer
-reported is what the plan and the grouped matmul use (= a ragged exchange's buffer on GPU/TPU).
-``box_rows``: the rows per expert slot of the padded box MoonEP's experts ran in
-(``k3jax.parallel.ep.box_capacity``, twice the mean home group; 0: a group did not fit and the tiles ran).
-``fetch_slots`` / ``fetch_rows``: the redundant-expert slots per rank and the weight rows a home may send that the
-step ran with (MoonEP compiles the fetch and the grouped matmul for ⌈m/8⌉ slots with ⌈m/8⌉ or the planner's bound
-of rows, and for m slots, m = E/R; the plan picks one: ``k3jax.parallel.ep.fetch_layouts``). ``moonep_over_capacity``: MoonEP's step over
-the capacity-1.25 step; ``overflow`` (rows a two-hop chunk could not
-carry) must be 0.
+The exchange on CPU (see ``k3jax.parallel.ep``): row ``moonep`` uses the default ``one_hop`` exchange (one static
+all_to_all of an [R, c] box, c the smallest of 1.25×, 1.5×, 2× S·K/R that holds the plan's largest
+(source, destination) count, else the two-hop exchange; the redundant-weight fetch always two-hop);
+``moonep_two_hop_exchange`` the previous default (two static all_to_all through an intermediate rank, ≈ 2·S·K rows
+per rank); ``moonep_gather_exchange`` (one all_gather of the send rows and of every home's expert weights) and
+``moonep_dense_exchange`` the box all_to_all — both receive R·S·K rows transiently. The MoonEP buffer reported is
+what the plan and the grouped matmul use (= a ragged exchange's buffer on GPU/TPU). Every method of a routing is
+compiled first, then timed in interleaved rounds (each median under the same load). ``chunk_rows``: the one-hop
+chunk that ran (0: the two-hop fallback). ``box_rows``: the rows per expert slot of the grouped FFN's padded box
+(:func:`k3jax.ops.grouped.padded_caps` of the home + ⌈m/8⌉ redundant slots; 0: a group did not fit and the tiles
+ran). ``fetch_slots`` / ``fetch_rows``: the redundant-expert slots per rank and the weight rows a home may send
+that the step ran with (``k3jax.parallel.ep.fetch_layouts``: ⌈m/8⌉ slots with ⌈m/8⌉ or the planner's bound of rows
+in the common step; m slots when some rank hosted more). ``moonep_over_capacity``: MoonEP's step over the
+capacity-1.25 step; ``overflow`` (rows an exchange chunk could not carry) must be 0.
 """
 
 from __future__ import annotations

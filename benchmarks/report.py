@@ -221,10 +221,11 @@ def t_prefill(r: dict) -> str:
 def t_moonep(r: dict) -> str:
     rows = []
     for x in r.get("routings", []):
-        mo, mg, md, dl, cp = (x.get("methods", {}).get(k, {}) for k in
-                              ("moonep", "moonep_gather_exchange", "moonep_dense_exchange", "dropless", "capacity"))
-        rows.append([x.get("routing"), num(mo.get("step_ms"), ",.1f"), num(mg.get("step_ms"), ",.1f"),
-                     num(md.get("step_ms"), ",.1f"),
+        mo, mt, mg, md, dl, cp = (x.get("methods", {}).get(k, {}) for k in
+                                  ("moonep", "moonep_two_hop_exchange", "moonep_gather_exchange",
+                                   "moonep_dense_exchange", "dropless", "capacity"))
+        rows.append([x.get("routing"), num(mo.get("step_ms"), ",.1f"), mo.get("chunk_rows", DASH),
+                     num(mt.get("step_ms"), ",.1f"), num(mg.get("step_ms"), ",.1f"), num(md.get("step_ms"), ",.1f"),
                      mo.get("recv_rows_per_rank"), mo.get("fetched_experts"), mo.get("fetch_slots", DASH),
                      mo.get("fetch_rows", DASH), mo.get("box_rows", DASH),
                      num(dl.get("step_ms"), ",.1f"),
@@ -233,12 +234,15 @@ def t_moonep(r: dict) -> str:
                      pct(cp.get("drop_rate")), times(x.get("moonep_over_capacity"))])
     s = r.get("setup", {})
     out = (f"R={r.get('devices')} devices, S={s.get('S')} tokens/rank, E={s.get('E')}, top-{s.get('K')}, "
-           f"D={s.get('D')}, I={s.get('I')}, exchange {s.get('exchange')}; step = MoE fwd+bwd, ms (median); "
-           f"fetch slots/rank: the redundant-expert slots the step ran with (of the compiled ⌈m/8⌉ and m); fetch "
-           f"rows/home: the expert weight rows one home could send in that layout (⌈m/8⌉, or the planner's bound "
-           f"min(m + R − 1, R·slots)); box rows: the rows per expert slot of the padded box the experts ran in "
-           f"(2× the mean home group; 0: a larger group ran the tiles).\n\n"
-           + table(["routing", "MoonEP ms", "MoonEP ms (gather exchange)", "MoonEP ms (dense exchange)", "MoonEP rows/rank", "fetched",
+           f"D={s.get('D')}, I={s.get('I')}, exchange {s.get('exchange')}; step = MoE fwd+bwd, ms (median of "
+           f"rounds interleaved over the methods); chunk rows: the one-hop exchange's rows per (source, "
+           f"destination) pair that ran (1.25×, 1.5× or 2× S·K/R; 0: the two-hop fallback); fetch slots/rank: "
+           f"the redundant-expert slots the step ran with (⌈m/8⌉, or m when a rank hosted more); fetch rows/home: the "
+           f"expert weight rows one home could send in that layout (⌈m/8⌉, or the planner's bound "
+           f"min(m + R − 1, R·slots)); box rows: the rows per expert slot of the grouped FFN's padded box (the "
+           f"smallest of 1.25×, 1.5×, 2× the mean slot that held the largest; 0: the tiles ran).\n\n"
+           + table(["routing", "MoonEP ms", "chunk rows", "MoonEP ms (two-hop exchange)", "MoonEP ms (gather exchange)",
+                    "MoonEP ms (dense exchange)", "MoonEP rows/rank", "fetched",
                     "fetch slots/rank", "fetch rows/home", "box rows", "dropless ms", "dropless rows/rank", "speedup vs dropless", "buffer dropless/MoonEP",
                     "capacity 1.25 ms", "capacity drops", "MoonEP / capacity"], rows))
     plans = r.get("planner_R64", [])
