@@ -303,12 +303,13 @@ class _Blocks:
 
 
 def grouped_ffn_forward(xs: jax.Array, sizes: jax.Array, w_gate, w_up, w_down, act: Act, caps: tuple[int, ...],
-                        tile: int) -> tuple[jax.Array, tuple]:
+                        tile: int, residuals: bool = True) -> tuple[jax.Array, tuple | None]:
     """:func:`grouped_ffn`'s forward in the smallest of ``caps`` (padded box) that holds the largest group, else
     in tiles of ``tile`` rows, chosen at run time; returns ``(y [M, D], residuals)`` for
     :func:`grouped_ffn_backward`. The residuals are the gate and up products in row order (``[M, I]`` each, the
-    same shape for every layout), so the backward re-lays them out instead of recomputing three products.
-    Weights: arrays ``[G, ...]`` or tuples of parts along the expert axis."""
+    same shape for every layout), so the backward re-lays them out instead of recomputing three products;
+    ``residuals=False`` (a forward that is not differentiated) skips them. Weights: arrays ``[G, ...]`` or tuples
+    of parts along the expert axis."""
     M, _ = xs.shape
     wg, wu, wd = _parts(w_gate), _parts(w_up), _parts(w_down)
     G = sum(w.shape[0] for w in wg)
@@ -321,10 +322,13 @@ def grouped_ffn_forward(xs: jax.Array, sizes: jax.Array, w_gate, w_up, w_down, a
             xb = lay.blocks(xs.astype(dt))
             a, b = lay.matmul(xb, wg, "gcd,gdi->gci", dt), lay.matmul(xb, wu, "gcd,gdi->gci", dt)
             y = lay.matmul(act(a, b), wd, "gci,gid->gcd", f)
-            return lay.unblock(y), lay.unblock(a), lay.unblock(b)
+            return (lay.unblock(y), lay.unblock(a), lay.unblock(b)) if residuals else lay.unblock(y)
         return run
 
-    y, a, b = jax.lax.switch(index, [branch(c) for c in caps] + [branch(None)], sizes, xs, wg, wu, wd)
+    out = jax.lax.switch(index, [branch(c) for c in caps] + [branch(None)], sizes, xs, wg, wu, wd)
+    if not residuals:                   # a forward only (inference): no residual rows to lay out
+        return out, None
+    y, a, b = out
     return y, (index, a, b)
 
 
@@ -361,7 +365,7 @@ def _grouped_ffn(xs, sizes, w_gate, w_up, w_down, act: Act, caps: tuple[int, ...
 
     @jax.custom_vjp
     def run(sizes, xs, wg, wu, wd):
-        return grouped_ffn_forward(xs, sizes, wg, wu, wd, act, caps, tile)[0]
+        return grouped_ffn_forward(xs, sizes, wg, wu, wd, act, caps, tile, residuals=False)[0]
 
     def run_fwd(sizes, xs, wg, wu, wd):
         y, res = grouped_ffn_forward(xs, sizes, wg, wu, wd, act, caps, tile)
