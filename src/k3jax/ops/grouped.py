@@ -5,8 +5,10 @@ Grouped-matmul strategies (:data:`GROUPED_STRATEGIES`), the same arithmetic; ``"
 
 * ``"padded"``: each group's rows in a ``[G, C, D]`` box of capacity C, one batched GEMM per weight with the
   weights as they are (no per-tile weight copies). C is the smallest of :func:`padded_caps` (1.25×, 1.5× and 2× the
-  mean group) that holds the largest group, chosen at run time (:func:`~k3jax.ops.switch.switch_recompute`: the
-  backward recomputes the taken branch only); a batch with a larger group runs the tiles — dropless either way.
+  mean group) that holds the largest group, chosen at run time; a batch with a larger group runs the tiles —
+  dropless either way. The FFN's backward is a custom VJP (:func:`grouped_ffn_backward`) whose residuals are the
+  gate and up rows, one shape for every layout, so it runs the taken layout's VJP without recomputing the
+  forward (:func:`grouped_matmul` keeps :func:`~k3jax.ops.switch.switch_recompute`).
   The 100m preset's routed experts (2048 rows, 16 groups, largest 210, fwd+bwd): 60 ms against 86 ms for the
   tiles (19–24 ms for a perfectly balanced dense batched GEMM); its whole training step 7.7 → 5.7 s (2 cores,
   side by side in one process).
