@@ -323,87 +323,52 @@ def _positions(L: PairLayout, T: jax.Array, r: jax.Array, c: int | None) -> tupl
     return out_start[L.dest] + L.j, in_start[L.src_rank] + L.src_row, P_
 
 
-def _pairs_to_slots_with(kind: str, c: int | None, axis: str, R: int):
-    """One exchange of pair rows ``[P, D]`` (source order) into segment rows ``[P, D]`` at their destination."""
+def _exchange_with(kind: str, c: int | None, axis: str, R: int, back: bool):
+    """One exchange of pair rows ``[P, D]`` (source order) into segment rows ``[P, D]`` at their destination, or
+    (``back``) its transpose: segment rows back to their source's pair order."""
     def run(x, L, T):
         r = jax.lax.axis_index(axis)
         send_pos, recv_pos, n = _positions(L, T, r, c)
-        sent = rows_at(x, inverse_map(send_pos, n))                          # the send buffer
-        if c is not None:
-            got = jax.lax.all_to_all(sent.reshape(R, c, -1), axis, 0, 0).reshape(n, -1)
+        here, there = (recv_pos, send_pos) if back else (send_pos, recv_pos)
+        buf = rows_at(x, inverse_map(here, n))                               # the rows as they leave
+        if c is not None:                                                    # an all_to_all is its own transpose
+            moved = jax.lax.all_to_all(buf.reshape(R, c, -1), axis, 0, 0).reshape(n, -1)
         elif kind == "two_hop":
-            got = two_hop_exchange(sent, two_hop_route(T, r, n, n), axis, R)
+            route = two_hop_route(T, r, n, n)
+            moved = two_hop_return(buf, route, axis, R, n) if back else two_hop_exchange(buf, route, axis, R)
         elif kind == "gather":
-            read, back = _gather_indices(T, r, n)
-            got = _gather_exchange(sent, read, back, axis)
+            read, back_map = _gather_indices(T, r, n)
+            moved = _gather_exchange(buf, *((back_map, read) if back else (read, back_map)), axis)
         else:
-            in_off, send, out_off, recv, _, _ = _exchange_offsets(T, r)
-            got = _ragged(kind)(sent, jnp.zeros_like(sent), in_off, send, out_off, recv, axis_name=axis)
-        return rows_at(got, recv_pos)
-    return run
-
-
-def _slots_to_pairs_with(kind: str, c: int | None, axis: str, R: int):
-    """The transpose of :func:`_pairs_to_slots_with`: segment rows back to their source's pair order."""
-    def run(y, L, T):
-        r = jax.lax.axis_index(axis)
-        send_pos, recv_pos, n = _positions(L, T, r, c)
-        got = rows_at(y, inverse_map(recv_pos, n))
-        if c is not None:
-            sent = jax.lax.all_to_all(got.reshape(R, c, -1), axis, 0, 0).reshape(n, -1)
-        elif kind == "two_hop":
-            sent = two_hop_return(got, two_hop_route(T, r, n, n), axis, R, n)
-        elif kind == "gather":
-            read, back = _gather_indices(T, r, n)
-            sent = _gather_exchange(got, back, read, axis)
-        else:
-            _, send, _, recv, recv_in_off, back_out = _exchange_offsets(T, r)
-            sent = _ragged(kind)(got, jnp.zeros_like(got), recv_in_off, recv, back_out, send, axis_name=axis)
-        return rows_at(sent, send_pos)
+            in_off, send, out_off, recv, recv_in_off, back_out = _exchange_offsets(T, r)
+            offsets = (recv_in_off, recv, back_out, send) if back else (in_off, send, out_off, recv)
+            moved = _ragged(kind)(buf, jnp.zeros_like(buf), *offsets, axis_name=axis)
+        return rows_at(moved, there)
     return run
 
 
 def _exchange_branches(kind: str, chunks: tuple[int, ...], axis: str, R: int, back: bool):
-    make = _slots_to_pairs_with if back else _pairs_to_slots_with
     fallback = "two_hop" if kind == "one_hop" else kind
-    return [make(kind, c, axis, R) for c in chunks] + [make(fallback, None, axis, R)]
+    return [_exchange_with(kind, c, axis, R, back) for c in chunks] + [_exchange_with(fallback, None, axis, R, back)]
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _pairs_to_slots(x, L, T, index, kind, chunks, axis, R):
-    """Pair rows to their destination's segment rows by the ``index``-th of :func:`_exchange_branches` (the same
-    on every rank); the backward is the return trip of the same branch."""
-    return jax.lax.switch(index, _exchange_branches(kind, chunks, axis, R, False), x, L, T)
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _route_rows(x, L, T, index, kind, chunks, axis, R, back):
+    """Pair rows to their destination's segment rows (``back`` False) or back (True), by the ``index``-th of
+    :func:`_exchange_branches` (the same on every rank); either direction's backward is the other direction."""
+    return jax.lax.switch(index, _exchange_branches(kind, chunks, axis, R, back), x, L, T)
 
 
-def _p2s_fwd(x, L, T, index, kind, chunks, axis, R):
-    return _pairs_to_slots(x, L, T, index, kind, chunks, axis, R), (L, T, index)
+def _route_fwd(x, L, T, index, kind, chunks, axis, R, back):
+    return _route_rows(x, L, T, index, kind, chunks, axis, R, back), (L, T, index)
 
 
-def _p2s_bwd(kind, chunks, axis, R, res, ct):
+def _route_bwd(kind, chunks, axis, R, back, res, ct):
     L, T, index = res
-    return jax.lax.switch(index, _exchange_branches(kind, chunks, axis, R, True), ct, L, T), None, None, None
+    return jax.lax.switch(index, _exchange_branches(kind, chunks, axis, R, not back), ct, L, T), None, None, None
 
 
-_pairs_to_slots.defvjp(_p2s_fwd, _p2s_bwd)
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _slots_to_pairs(y, L, T, index, kind, chunks, axis, R):
-    """The return trip of :func:`_pairs_to_slots` (its transpose, and the other's backward)."""
-    return jax.lax.switch(index, _exchange_branches(kind, chunks, axis, R, True), y, L, T)
-
-
-def _s2p_fwd(y, L, T, index, kind, chunks, axis, R):
-    return _slots_to_pairs(y, L, T, index, kind, chunks, axis, R), (L, T, index)
-
-
-def _s2p_bwd(kind, chunks, axis, R, res, ct):
-    L, T, index = res
-    return jax.lax.switch(index, _exchange_branches(kind, chunks, axis, R, False), ct, L, T), None, None, None
-
-
-_slots_to_pairs.defvjp(_s2p_fwd, _s2p_bwd)
+_route_rows.defvjp(_route_fwd, _route_bwd)
 
 
 def moonep_local(z, idx, w, w1, w3, w2, *, act: Act, axis: str, exchange: str = "dense"):
@@ -423,7 +388,7 @@ def moonep_local(z, idx, w, w1, w3, w2, *, act: Act, axis: str, exchange: str = 
     chunk = jnp.sum(jnp.max(T) > jnp.asarray(chunks, jnp.int32)).astype(jnp.int32) if chunks else jnp.int32(0)
     route = (L, T, chunk, exchange, chunks, axis, R)
     zp = jnp.broadcast_to(z[:, None], (S, K, z.shape[-1])).reshape(Pn, -1)  # pair p = (token p // K, choice)
-    xs = _pairs_to_slots(zp, *route)                                      # [Pn, D] by slot here
+    xs = _route_rows(zp, *route, False)                                   # [Pn, D] by slot here
     _, _, fetch = slots_from_alloc(pl.alloc)
     # The experts: the m home slots and the first F0 redundant ones (F0 = fetch_menu's small count; weights
     # fetched in the smallest of the F0 layouts that holds every rank's first F0 slots) through the grouped FFN,
@@ -469,7 +434,7 @@ def moonep_local(z, idx, w, w1, w3, w2, *, act: Act, axis: str, exchange: str = 
     if exchange in ("one_hop", "two_hop"):   # rows a two-hop exchange of the pairs could not carry
         two_hop = exchange == "two_hop" or chunk == len(chunks)
         overflow += jnp.where(two_hop, two_hop_route(T, r, Pn, Pn).overflow, 0)
-    y_pairs = _slots_to_pairs(ys, *route)
+    y_pairs = _route_rows(ys, *route, True)
     y = jnp.sum(y_pairs.reshape(S, K, -1) * w.astype(y_pairs.dtype)[..., None], axis=1)
     caps = jnp.asarray(padded_caps(Pn, m + F0) or (0,), jnp.int32)
     box = jnp.min(jnp.where(caps >= jnp.max(L.sizes[:m + F0]), caps, Pn + 1))
