@@ -475,7 +475,8 @@ def dropless_local(z, idx, w, w1, w3, w2, *, act: Act, axis: str, exchange: str 
     y_pairs = jnp.zeros_like(y_send).at[order].set(y_send)
     y = jnp.sum(y_pairs.reshape(S, K, -1) * w.astype(y_pairs.dtype)[..., None], axis=1)
     return y, {"fills": jnp.int32(0), "fetched_experts": jnp.int32(0), "fetch_slots": jnp.int32(0),
-               "fetch_rows": jnp.int32(0), "box_rows": jnp.int32(0), "chunk_rows": jnp.int32(0), "recv_rows": jnp.int32(R * Pn),
+               "fetch_rows": jnp.int32(0), "box_rows": jnp.int32(0), "chunk_rows": jnp.int32(0),
+               "recv_rows": jnp.int32(R * Pn),
                "dropped": jnp.int32(0), "overflow": jnp.int32(0)}
 
 
@@ -504,7 +505,8 @@ def capacity_local(z, idx, w, w1, w3, w2, *, act: Act, axis: str, capacity_facto
     y_pairs = jnp.where(keep[:, None], back[jnp.minimum(e_flat, E - 1), jnp.minimum(pos, C - 1)], 0.0)
     y = jnp.sum(y_pairs.reshape(S, K, -1) * w.astype(f)[..., None], axis=1)
     return y, {"fills": jnp.int32(0), "fetched_experts": jnp.int32(0), "fetch_slots": jnp.int32(0),
-               "fetch_rows": jnp.int32(0), "box_rows": jnp.int32(0), "chunk_rows": jnp.int32(0), "recv_rows": jnp.int32(E * C),
+               "fetch_rows": jnp.int32(0), "box_rows": jnp.int32(0), "chunk_rows": jnp.int32(0),
+               "recv_rows": jnp.int32(E * C),
                "dropped": jnp.sum(~keep).astype(jnp.int32), "overflow": jnp.int32(0)}
 
 

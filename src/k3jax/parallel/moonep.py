@@ -258,9 +258,8 @@ def pair_layout(counts: jax.Array, alloc: jax.Array, rank: jax.Array, idx: jax.A
     rows = jnp.arange(R)[:, None]
     ov_slot = jnp.zeros((R, n_slots + 1), jnp.int32).at[rows, jnp.where(ov > 0, slot, n_slots)].add(ov)
     chunk_off = jnp.cumsum(ov_slot, 1) - ov_slot                                      # [d, slot]
-    pos = s_lo[rank, idx] + rank_in_group(idx, E)                                     # [P] place in e's order
-    dest = jnp.sum(d_hi[:, idx] <= pos[None, :], axis=0).astype(jnp.int32)
-    j = chunk_off[dest, slot[dest, idx]] + pos - first[dest, idx]
+    dest, group, row = destination_slots(alloc, counts, rank, idx)                    # row: within d's group
+    j = chunk_off[dest, group] + row - (first - d_lo)[dest, idx]
     # as destination: every source's overlap with my slots' cuts
     experts, sizes_all, _ = slots_from_alloc(alloc)
     mine = experts[rank]
