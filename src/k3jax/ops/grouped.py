@@ -102,28 +102,6 @@ def _padded_layout(sizes: jax.Array, M: int, C: int) -> tuple[jax.Array, jax.Arr
     return src, dest
 
 
-def _padded(fn, xs: jax.Array, sizes: jax.Array, C: int) -> jax.Array:
-    """``fn`` (``[G, C, D] → [G, C, ·]``, group g through expert g) on the rows laid out by :func:`_padded_layout`,
-    back in row order ``[M, ·]``."""
-    G = sizes.shape[0]
-    src, dest = _padded_layout(sizes, xs.shape[0], C)
-    xb = jnp.take(xs, src, axis=0, mode="fill", fill_value=0).reshape(G, C, xs.shape[1])
-    y = fn(xb)
-    return jnp.take(y.reshape(G * C, y.shape[-1]), dest, axis=0, mode="fill", fill_value=0)
-
-
-def _by_capacity(sizes: jax.Array, M: int, G: int, padded_fn, tiles_fn, operands: tuple) -> jax.Array:
-    """``padded_fn(C, sizes, *operands)`` with the smallest of :func:`padded_caps` that holds the largest group,
-    else ``tiles_fn(sizes, *operands)`` — chosen at run time (:func:`~k3jax.ops.switch.switch_recompute`: one
-    branch runs forward, and its VJP alone backward; ``lax.switch``'s own VJP carried every branch's residuals,
-    and in the 100m training step that cost more than the padded layout saved)."""
-    caps = padded_caps(M, G)
-    index = jnp.sum(jnp.max(sizes) > jnp.asarray(caps, jnp.int32)).astype(jnp.int32)
-    branches = [lambda ints, ops, C=C: (padded_fn(C, *ints, *ops), jnp.int32(0)) for C in caps]
-    branches.append(lambda ints, ops: (tiles_fn(*ints, *ops), jnp.int32(0)))
-    return switch_recompute(index, branches, (sizes,), operands)[0]
-
-
 def choose_tile(M: int, G: int, D: int, I: int) -> int:
     """Tile rows ``t`` for ``M`` sorted rows in ``G`` groups through ``[D, I]`` weights: the power of two in
     1…512 minimising ``rows·(2·D·I) + tiles·(per-tile cost)``, with the per-tile cost the weight tile's copy
@@ -177,24 +155,6 @@ def tile_layout(sizes: jax.Array, M: int, t: int) -> tuple[jax.Array, jax.Array,
     return src, group.astype(jnp.int32), dest
 
 
-def _to_tiles(xs: jax.Array, sizes: jax.Array, t: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """``xs [M, D]`` in the tiled layout ``[nt, t, D]`` (padding rows zero), each tile's group and each row's
-    tiled position (see :func:`tile_layout`)."""
-    src, group, dest = tile_layout(sizes, xs.shape[0], t)
-    return jnp.take(xs, src, axis=0, mode="fill", fill_value=0).reshape(-1, t, xs.shape[1]), group, dest
-
-
-def _from_tiles(y: jax.Array, dest: jax.Array) -> jax.Array:
-    """``y [nt, t, ·]`` back to row order ``[M, ·]`` (rows past the groups: 0)."""
-    return jnp.take(y.reshape(-1, y.shape[-1]), dest, axis=0, mode="fill", fill_value=0)
-
-
-def _tiled_dot(xt: jax.Array, w: jax.Array, group: jax.Array, out_dtype) -> jax.Array:
-    """``xt [nt, t, D]`` tile by tile through its group's ``w [G, D, I]`` → ``[nt, t, I]``."""
-    return jnp.einsum("ntd,ndi->nti", xt, jnp.take(w, group, axis=0).astype(xt.dtype), precision=HIGHEST,
-                      preferred_element_type=out_dtype)
-
-
 def grouped_matmul(xs: jax.Array, w: jax.Array, sizes: jax.Array, *, strategy: str | None = None,
                    tile: int | None = None, preferred_element_type=None) -> jax.Array:
     """``y_r = x_r W_{g(r)}`` for rows ``xs [M, D]`` sorted into consecutive groups of ``sizes [G]`` (Σ ≤ M; rows
@@ -207,18 +167,22 @@ def grouped_matmul(xs: jax.Array, w: jax.Array, sizes: jax.Array, *, strategy: s
     if strategy == "ragged":
         return jax.lax.ragged_dot(xs, w, sizes, precision=HIGHEST, preferred_element_type=out_dtype)
 
-    def tiles(sizes, xs, w):
-        xt, group, dest = _to_tiles(xs, sizes, tile or choose_tile(M, G, D, I))
-        return _from_tiles(_tiled_dot(xt, w, group, out_dtype), dest)
+    t = tile or choose_tile(M, G, D, I)
+
+    def layout(cap: int | None):
+        def run(sizes, xs, w):
+            lay = _Blocks(sizes, M, G, cap, t)
+            return lay.unblock(lay.matmul(lay.blocks(xs), (w,), "gcd,gdi->gci", out_dtype))
+        return run
 
     if strategy == "tiles":
-        return tiles(sizes, xs, w)
-
-    def padded(C, sizes, xs, w):
-        return _padded(lambda xb: jnp.einsum("gcd,gdi->gci", xb, w.astype(xb.dtype), precision=HIGHEST,
-                                             preferred_element_type=out_dtype), xs, sizes, C)
-
-    return _by_capacity(sizes, M, G, padded, tiles, (xs, w))
+        return layout(None)(sizes, xs, w)
+    # the smallest padded rung that holds the largest group, else the tiles, chosen at run time; the backward
+    # runs the taken branch's VJP only (lax.switch's own VJP would carry every branch's residuals)
+    caps = padded_caps(M, G)
+    index = jnp.sum(jnp.max(sizes) > jnp.asarray(caps, jnp.int32)).astype(jnp.int32)
+    branches = [lambda ints, ops, f=layout(c): (f(*ints, *ops), jnp.int32(0)) for c in (*caps, None)]
+    return switch_recompute(index, branches, (sizes,), (xs, w))[0]
 
 
 def _check_strategy(strategy: str | None) -> str:
