@@ -16,9 +16,9 @@ per rank); ``moonep_gather_exchange`` (one all_gather of the send rows and of ev
 ``moonep_dense_exchange`` the box all_to_all — both receive R·S·K rows transiently. The MoonEP buffer reported is
 what the plan and the grouped matmul use (= a ragged exchange's buffer on GPU/TPU). Every method of a routing is
 compiled first, then timed in interleaved rounds (each median under the same load). ``chunk_rows``: the one-hop
-chunk that ran (0: the two-hop fallback). ``box_rows``: the rows per expert slot of the grouped FFN's padded box
-(:func:`k3jax.ops.grouped.padded_caps` of the home + ⌈m/8⌉ redundant slots; 0: a group did not fit and the tiles
-ran). ``fetch_slots`` / ``fetch_rows``: the redundant-expert slots per rank and the weight rows a home may send
+chunk that ran (0: the two-hop fallback). ``ffn_layouts``: the grouped FFN's layouts the ranks ran over the home +
+⌈m/8⌉ redundant slots (:func:`k3jax.ops.grouped.padded_layouts`: ``box C`` — C rows per slot; ``box C + n×t`` — the
+rows past C in n tiles of t rows; ``tiles n×t``); ``box_rows``: rank 0's box rows (0: tiles only). ``fetch_slots`` / ``fetch_rows``: the redundant-expert slots per rank and the weight rows a home may send
 that the step ran with (``k3jax.parallel.ep.fetch_layouts``: ⌈m/8⌉ slots with ⌈m/8⌉ or the planner's bound of rows
 in the common step; m slots when some rank hosted more). ``moonep_over_capacity``: MoonEP's step over the
 capacity-1.25 step; ``overflow`` (rows an exchange chunk could not carry) must be 0.
@@ -73,6 +73,17 @@ def chain_plan_fetches(counts: np.ndarray) -> int:
     return int((np.asarray(slots_from_alloc(plan_numpy(counts, donor="most_overloaded").alloc)[2]) >= 0).sum())
 
 
+def ffn_layouts(st: dict) -> list[str]:
+    """The grouped FFN layouts the ranks ran (from the MoonEP stats), each once, as ``box C``, ``box C + n×t`` or
+    ``tiles n×t``."""
+    out = []
+    for C, t, n in zip(*(np.asarray(st[k]).reshape(-1).tolist() for k in ("box_rows", "tile_rows", "tiles"))):
+        name = f"box {C}" + (f" + {n}×{t}" if n else "") if C else f"tiles {n}×{t}"
+        if name not in out:
+            out.append(name)
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--S", type=int, default=128)
@@ -124,6 +135,7 @@ def main(argv: list[str] | None = None) -> dict:
                                       "fetch_slots": int(np.asarray(st["fetch_slots"])[0]),
                                       "fetch_rows": int(np.asarray(st["fetch_rows"])[0]),
                                       "box_rows": int(np.asarray(st["box_rows"])[0]),
+                                      "ffn_layouts": ffn_layouts(st),
                                       "chunk_rows": int(np.asarray(st["chunk_rows"])[0]),
                                       "overflow": int(np.asarray(st["overflow"]).sum())}
         mo, dl = row["methods"]["moonep"], row["methods"]["dropless"]
@@ -139,7 +151,7 @@ def main(argv: list[str] | None = None) -> dict:
               f"fetched), dropless {dl['step_ms']:.1f} ms ({dl['recv_rows_per_rank']} rows) → "
               f"{row['speedup_vs_dropless']:.2f}×; capacity 1.25 {row['methods']['capacity']['step_ms']:.1f} ms, "
               f"drops {row['methods']['capacity']['drop_rate']:.1%} (MoonEP/capacity {row['moonep_over_capacity']:.2f}×, "
-              f"chunk {mo['chunk_rows']} rows, box {mo['box_rows']}; two-hop exchange "
+              f"chunk {mo['chunk_rows']} rows, FFN {' / '.join(mo['ffn_layouts'])}; two-hop exchange "
               f"{row['methods']['moonep_two_hop_exchange']['step_ms']:.1f} ms, gather "
               f"{row['methods']['moonep_gather_exchange']['step_ms']:.1f} ms, dense "
               f"{row['methods']['moonep_dense_exchange']['step_ms']:.1f} ms)", flush=True)

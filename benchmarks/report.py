@@ -227,7 +227,8 @@ def t_moonep(r: dict) -> str:
         rows.append([x.get("routing"), num(mo.get("step_ms"), ",.1f"), mo.get("chunk_rows", DASH),
                      num(mt.get("step_ms"), ",.1f"), num(mg.get("step_ms"), ",.1f"), num(md.get("step_ms"), ",.1f"),
                      mo.get("recv_rows_per_rank"), mo.get("fetched_experts"), mo.get("fetch_slots", DASH),
-                     mo.get("fetch_rows", DASH), mo.get("box_rows", DASH),
+                     mo.get("fetch_rows", DASH),
+                     " / ".join(mo["ffn_layouts"]) if "ffn_layouts" in mo else f"box {mo.get('box_rows', DASH)}",
                      num(dl.get("step_ms"), ",.1f"),
                      dl.get("recv_rows_per_rank"), times(x.get("speedup_vs_dropless")),
                      times(x.get("buffer_ratio_dropless_over_moonep")), num(cp.get("step_ms"), ",.1f"),
@@ -239,11 +240,13 @@ def t_moonep(r: dict) -> str:
            f"destination) pair that ran (1.25×, 1.5× or 2× S·K/R; 0: the two-hop fallback); fetch slots/rank: "
            f"the redundant-expert slots the step ran with (⌈m/8⌉, or m when a rank hosted more); fetch rows/home: the "
            f"expert weight rows one home could send in that layout (⌈m/8⌉, or the planner's bound "
-           f"min(m + R − 1, R·slots)); box rows: the rows per expert slot of the grouped FFN's padded box (the "
-           f"smallest of 1.25×, 1.5×, 2× the mean slot that held the largest; 0: the tiles ran).\n\n"
+           f"min(m + R − 1, R·slots)); FFN layout: the grouped FFN's layouts the ranks ran (box C: C rows per expert "
+           f"slot, the smallest of 1.25×, 1.5×, 2× the mean slot that held the largest; box C + n×t: each slot's "
+           f"rows past C in n tiles of t rows; tiles n×t: every slot in tiles; box 0: the tiles, in records "
+           f"before the box + tiles layout).\n\n"
            + table(["routing", "MoonEP ms", "chunk rows", "MoonEP ms (two-hop exchange)", "MoonEP ms (gather exchange)",
                     "MoonEP ms (dense exchange)", "MoonEP rows/rank", "fetched",
-                    "fetch slots/rank", "fetch rows/home", "box rows", "dropless ms", "dropless rows/rank", "speedup vs dropless", "buffer dropless/MoonEP",
+                    "fetch slots/rank", "fetch rows/home", "FFN layout", "dropless ms", "dropless rows/rank", "speedup vs dropless", "buffer dropless/MoonEP",
                     "capacity 1.25 ms", "capacity drops", "MoonEP / capacity"], rows))
     plans = r.get("planner_R64", [])
     if plans:

@@ -31,6 +31,8 @@ def routing(kind, N, E, K, R, rng):
         logit[:, :m] += 100
     elif kind == "zipf":
         logit += np.log(1.0 / np.arange(1, E + 1) ** 1.5)[None, :] * 3
+    elif kind == "hot7":           # seven hot experts: on data=2,expert=4 one rank's slots need the FFN's tiles
+        logit[:, :7] += 2.0
     elif kind == "balanced":
         return np.stack([(np.arange(K) + i * K) % E for i in range(N)])
     elif kind == "one_fill":       # balanced, then 8 pairs of the last rank's experts moved to expert 0 (rank 0):
@@ -59,15 +61,15 @@ def max_pair_rows(idx, R, E):
     return out
 
 
-def max_group(idx, R, E):
-    """Per expert group, per rank: the largest group among its home and first ⌈m/8⌉ redundant slots (numpy)."""
+def slot_sizes(idx, R, E):
+    """Per expert group, per rank: the rows of its home and first ⌈m/8⌉ redundant slots (numpy plan)."""
     from k3jax.parallel.moonep import slots_from_alloc
     m = E // R
     F0 = max(1, -(-m // 8))
     out = []
     for g in idx.reshape(8 // R, -1, idx.shape[1]):
         _, sizes, _ = slots_from_alloc(_plan(g, R, E)[1].alloc)
-        out += np.asarray(sizes)[:, :m + F0].max(1).tolist()
+        out += np.asarray(sizes)[:, :m + F0].tolist()
     return out
 
 
@@ -85,7 +87,7 @@ def main():
     meshes = {"expert=8": jax.make_mesh((8,), ("expert",), axis_types=(AxisType.Auto,)),
               "data=2,expert=4": jax.make_mesh((2, 4), ("data", "expert"), axis_types=(AxisType.Auto,) * 2)}
     # The routing is an argument of every jitted function, not a constant folded into it: one compile per
-    # (mesh, method) serves all five routings (as in training, where idx is computed at run time), instead of a
+    # (mesh, method) serves all seven routings (as in training, where idx is computed at run time), instead of a
     # forward and a gradient compile per routing case (40 compiles → 8, most of this check's time on CPU).
     def ref_loss(z, w, w1, w3, w2, idx):
         return jnp.sum(jnp.sin(moe_grouped(z, idx, w, w1, w3, w2, act)))
@@ -101,7 +103,7 @@ def main():
 
             eps[mname, method] = (jax.jit(ep), jax.jit(jax.grad(lambda *a, ep=ep: jnp.sum(jnp.sin(ep(*a)[0])),
                                                                argnums=(0, 1, 2, 3, 4))))
-    for kind in ["random", "one_expert", "one_rank", "zipf", "balanced", "one_fill"]:
+    for kind in ["random", "one_expert", "one_rank", "zipf", "balanced", "one_fill", "hot7"]:
         idx = jnp.asarray(routing(kind, N, E, K, 8, rng), jnp.int32)
         ref_y = ref_fwd(z, w, *ws, idx)
         ref_g = ref_grad(z, w, *ws, idx)
@@ -116,9 +118,11 @@ def main():
                                  "fetch_slots": np.asarray(st["fetch_slots"]).tolist(),
                                  "fetch_rows": np.asarray(st["fetch_rows"]).tolist(),
                                  "box_rows": np.asarray(st["box_rows"]).tolist(),
+                                 "tile_rows": np.asarray(st["tile_rows"]).tolist(),
+                                 "tiles": np.asarray(st["tiles"]).tolist(),
                                  "chunk_rows": np.asarray(st["chunk_rows"]).tolist(),
                                  "max_pair_rows": max_pair_rows(np.asarray(idx), 8 if mname == "expert=8" else 4, E),
-                                 "max_group": max_group(np.asarray(idx), 8 if mname == "expert=8" else 4, E),
+                                 "slot_sizes": slot_sizes(np.asarray(idx), 8 if mname == "expert=8" else 4, E),
                                  "overflow": np.asarray(st["overflow"]).tolist()})
     out["two_hop"] = two_hop_cases(rng)
     print(json.dumps(out))

@@ -23,7 +23,8 @@ def ep_results():
 def test_expert_parallel_moe_equals_single_device(ep_results):
     assert ep_results["devices"] == 8
     cases = ep_results["cases"]
-    assert {c["routing"] for c in cases} == {"random", "one_expert", "one_rank", "zipf", "balanced", "one_fill"}
+    assert {c["routing"] for c in cases} == {"random", "one_expert", "one_rank", "zipf", "balanced", "one_fill",
+                                             "hot7"}
     for c in cases:
         assert c["y_rel"] <= 1e-5 and c["grad_rel"] <= 1e-5, c
         R = 8 if c["mesh"] == "expert=8" else 4
@@ -53,28 +54,34 @@ def test_expert_parallel_moe_equals_single_device(ep_results):
     one_fill = [c for c in cases if c["routing"] == "one_fill" and c["method"] == "moonep" and c["mesh"] == "expert=8"]
     assert one_fill[0]["fetched"] == [1] * 8 and layout[("expert=8", "one_fill")] == ([1] * 8, [1] * 8)
     assert layout[("data=2,expert=4", "balanced")][0][0] == 1, layout
-    # the experts (home slots and the first F0 redundant ones) ran in the grouped FFN's padded box with the
-    # smallest capacity rung (k3jax.ops.grouped.padded_caps) that holds the rank's largest group, computed here
-    # from a numpy plan, or in tiles (box 0) where none does — every case checked against the single device above
-    from k3jax.ops.grouped import padded_caps
+    # the experts (home slots and the first F0 redundant ones) ran in the grouped FFN's first padded layout
+    # (k3jax.ops.grouped.padded_layouts: boxes, box + tiles, tiles) that holds the rank's slot sizes, computed here
+    # from a numpy plan — every case checked against the single device above
+    from k3jax.ops.grouped import choose_tile, padded_layouts
     from k3jax.parallel.ep import one_hop_chunks
 
+    def fits(sizes, L):
+        if L.tiles == 0:
+            return max(sizes) <= L.box
+        return sum(-(-max(s - L.box, 0) // L.tile) for s in sizes) <= L.tiles
+
     S_K = 256 // 8 * 4
-    boxes = set()
+    ran = set()
     for c in cases:
         if c["method"] != "moonep":
             continue
         R = 8 if c["mesh"] == "expert=8" else 4
         m = 32 // R
-        caps = padded_caps(S_K, m + max(1, -(-m // 8)))
-        want = [min([C for C in caps if C >= g], default=0) for g in c["max_group"]]
-        assert c["box_rows"] == want, c
-        boxes |= set(want)
+        G = m + max(1, -(-m // 8))
+        layouts = padded_layouts(S_K, G, choose_tile(S_K, G, 16, 3 * 8))
+        want = [next(L for L in layouts if fits(sizes, L)) for sizes in c["slot_sizes"]]
+        assert list(zip(c["box_rows"], c["tile_rows"], c["tiles"])) == [tuple(L) for L in want], c
+        ran |= {(L.box > 0, L.tiles > 0) for L in want}
         # the pairs went in one all_to_all of [R, chunk] rows, the smallest rung holding the plan's largest
         # (source, destination) count, or through the two-hop exchange (chunk 0) past the largest rung
         chunks = one_hop_chunks(S_K, R)
         assert c["chunk_rows"] == [min([C for C in chunks if C >= t], default=0) for t in c["max_pair_rows"]], c
-    assert 0 in boxes and len(boxes) >= 3, boxes                  # the tiles and at least two rungs ran
+    assert ran == {(True, False), (True, True), (False, True)}, ran   # a box, a box + tiles and the tiles ran
     ran_chunks = {c["chunk_rows"][0] for c in cases if c["method"] == "moonep"}
     assert 0 in ran_chunks and len(ran_chunks) >= 2, ran_chunks   # the two-hop fallback and a one-hop rung ran
 

@@ -127,8 +127,9 @@ def test_dropless_grouped_matches_per_token(rng, mode, strategy):
 def test_grouped_matmul_equals_per_group_numpy(rng, strategy, tile):
     # adversarial group sizes: empty groups (first, middle, last), one group with every row, sizes that are and
     # are not multiples of the tile, and Σ sizes < M (the rows past the groups must come back as zeros). "padded"
-    # (capacities 8 and 16 here, padded_caps(40, 7)) runs each of its branches: largest group ≤ 8 ([1]*7), ≤ 16
-    # (the first and fourth), and past both (one group with every row: the tiles)
+    # (padded_layouts(40, 7, ·): boxes of 8 and 16 rows, a box of 8 + 3 tiles of 16, the tiles) runs its box and
+    # box + tiles branches: largest group ≤ 8 ([1]*7), ≤ 16 (the first and fourth), and past both (one group with
+    # every row: 32 rows past the box of 8 in two tiles)
     M, D, I, G = 40, 6, 5, 7
     x = rng.normal(size=(M, D))
     w = rng.normal(size=(G, D, I))
@@ -328,12 +329,25 @@ def _all_eqns(jaxpr):
                 yield from _all_eqns(v)
 
 
-def test_grouped_ffn_each_layout_and_weight_parts_match_numpy(rng):
-    # the grouped FFN's custom VJP (gate/up rows as residuals) in each padded rung (40, 48, 64 for 128 rows in 4
-    # groups) and in the tiles, with the weights whole and as two parts along the expert axis (MoonEP's home and
-    # fetched experts, never concatenated): values and all four gradients against a numpy SiLU-GLU FFN
-    from k3jax.ops.grouped import grouped_ffn
-    M, D, I, G = 128, 6, 5, 4
+@pytest.mark.parametrize("M,G,split,cases", [
+    # 128 rows in 4 groups: the boxes 40, 48, 64 (1.25×, 1.5×, 2× the mean of 32), then the tiles
+    (128, 4, 2, [([40, 30, 30, 28], 0), ([45, 30, 30, 23], 1), ([64, 20, 20, 24], 2), ([100, 10, 10, 8], 3),
+                 ([30, 30, 20, 0], 0)]),
+    # 64 rows in 8 groups (mean 8 < 32): the box 16, a box of 8 + 4 tiles of 16 (rows past 8 in whole tiles),
+    # then the tiles; parts of 5 and 3 experts, so tiles gather weights from both parts
+    (64, 8, 5, [([16, 8, 8, 8, 8, 8, 8, 0], 0), ([40, 24, 0, 0, 0, 0, 0, 0], 1), ([0, 0, 0, 0, 0, 0, 0, 64], 1),
+                ([30, 20, 0, 5, 0, 0, 0, 0], 1), ([25, 25, 14, 0, 0, 0, 0, 0], 2), ([0, 17, 0, 17, 0, 17, 0, 13], 1)]),
+])
+def test_grouped_ffn_each_layout_and_weight_parts_match_numpy(rng, M, G, split, cases):
+    # the grouped FFN's custom VJP (gate/up rows as residuals) in each layout of padded_layouts — boxes, box +
+    # tiles, tiles (which one ran checked by layout_index) — with the weights whole and as two parts along the
+    # expert axis (MoonEP's home and fetched experts, never concatenated): values and all four gradients against a
+    # numpy SiLU-GLU FFN, with Σ sizes < M in some cases (the rows past the groups give 0)
+    from k3jax.ops.grouped import choose_tile, grouped_ffn, layout_index, padded_layouts
+    D, I = 6, 5
+    layouts = padded_layouts(M, G, choose_tile(M, G, D, 3 * I))
+    assert len(layouts) == (4 if G == 4 else 3) and layouts[-1].box == 0, layouts
+    assert sorted({want for _, want in cases}) == list(range(len(layouts)))      # every layout runs
     x, dy = rng.normal(size=(M, D)), rng.normal(size=(M, D))
     W = [rng.normal(size=s) / 2 for s in ((G, D, I), (G, D, I), (G, I, D))]
     act = lambda a, u: jax.nn.silu(a) * u  # noqa: E731
@@ -356,15 +370,17 @@ def test_grouped_ffn_each_layout_and_weight_parts_match_numpy(rng):
         np.add.at(dws[2], g, np.einsum("mi,md->mid", h, dy[:n]))
         return y, dx, dws
 
+    for sizes, want in cases:
+        assert int(layout_index(jnp.asarray(sizes, jnp.int32), layouts)) == want, (sizes, layouts)
     for parts in (False, True):
         def run(x_, s_, w1, w3, w2, parts=parts):
-            ws = [(w[:2], w[2:]) if parts else w for w in (w1, w3, w2)]
+            ws = [(w[:split], w[split:]) if parts else w for w in (w1, w3, w2)]
             y, pull = jax.vjp(lambda x__, *ws_: grouped_ffn(x__, s_, *ws_, act, strategy="padded"), x_, *ws)
             dx, *dws = pull(jnp.asarray(dy, jnp.float32))
             return y, dx, [jnp.concatenate(d, 0) if parts else d for d in dws]
 
         f = jax.jit(run)
-        for sizes in ([40, 30, 30, 28], [45, 30, 30, 23], [64, 20, 20, 24], [100, 10, 10, 8], [30, 30, 20, 0]):
+        for sizes, _ in cases:
             y, dx, dws = f(jnp.asarray(x, jnp.float32), jnp.asarray(sizes, jnp.int32), *(jnp.asarray(w, jnp.float32)
                                                                                             for w in W))
             y_want, dx_want, dws_want = numpy_ffn(sizes)

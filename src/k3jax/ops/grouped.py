@@ -6,7 +6,12 @@ Grouped-matmul strategies (:data:`GROUPED_STRATEGIES`), the same arithmetic; ``"
 * ``"padded"``: each group's rows in a ``[G, C, D]`` box of capacity C, one batched GEMM per weight with the
   weights as they are (no per-tile weight copies). C is the smallest of :func:`padded_caps` (1.25×, 1.5× and 2× the
   mean group) that holds the largest group, chosen at run time; a batch with a larger group runs the tiles —
-  dropless either way. The FFN's backward is a custom VJP (:func:`grouped_ffn_backward`) whose residuals are the
+  dropless either way. Where the groups are small on average (M < 32·G: a MoonEP rank), a *box + tiles* layout
+  joins the menu (:func:`padded_layouts`): every group's first C rows in the box, its rows past C in a static
+  number of tiles, each tile multiplied by its group's gathered weight — a heavy tail of a few large groups
+  (skewed routing) then costs a few large tiles instead of small tiles for every row. The cheapest layout that
+  holds the sizes runs. The FFN's
+  backward is a custom VJP (:func:`grouped_ffn_backward`) whose residuals are the
   gate and up rows, one shape for every layout, so it runs the taken layout's VJP without recomputing the
   forward (:func:`grouped_matmul` keeps :func:`~k3jax.ops.switch.switch_recompute`).
   The 100m preset's routed experts (2048 rows, 16 groups, largest 210, fwd+bwd): 60 ms against 86 ms for the
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -78,6 +84,60 @@ def padded_caps(M: int, G: int) -> tuple[int, ...]:
     return tuple(caps)
 
 
+class Layout(NamedTuple):
+    """A static block layout of ``M`` rows sorted into ``G`` groups: each group's first ``box`` rows in a
+    ``[G, box]`` padded box (0: no box), the rows past them in ``tiles`` tiles of ``tile`` rows, every tile rows of
+    one group (0: no tiles). Holds the sizes if every group fits the box, or its rows past the box fill at most
+    ``tiles`` whole tiles (:func:`layout_fits`)."""
+    box: int
+    tile: int
+    tiles: int
+
+    def rows(self, G: int) -> int:
+        return G * self.box + self.tiles * self.tile
+
+
+# a tile's weight gather in rows' worth of GEMM work (choose_tile's model: the weight tile's copy from cache plus
+# ~8 rows of call overhead), for ordering the layouts by cost
+TILE_COST_ROWS = 24
+
+
+def padded_layouts(M: int, G: int, tile: int) -> tuple[Layout, ...]:
+    """The ``"padded"`` strategy's layouts for ``M`` rows in ``G`` groups, cheapest first (rows of GEMM plus
+    :data:`TILE_COST_ROWS` per gathered weight tile): the boxes of :func:`padded_caps`; where the groups average
+    under 32 rows, a box + tiles layout — the mean group's box with up to every row past it in tiles of twice the
+    mean (a heavy tail of a few large groups: skewed routing); last, the tiles of ``tile`` rows, which hold any
+    sizes. At a MoonEP rank of ``benchmarks.moonep`` (M = 2048, G = 126): boxes 24/32/40, box 16 + 64 tiles of 32,
+    tiles of 16. (A second one, the first rung's box + 1/8 of the rows in tiles of the mean, measured slower than
+    the next box on uniform routing, 67.0 vs 60.5 ms a MoonEP step: the tiles' weight gathers and gradient
+    scatter cost more than the box rows they save.)"""
+    caps = padded_caps(M, G)
+    out = [Layout(c, 0, 0) for c in caps]
+    if caps and M < 32 * G:
+        mean = 8 * max(1, round(M / G / 8))
+        out.append(Layout(mean, 2 * mean, max(1, math.ceil(M / (2 * mean)))))
+    key = lambda L: L.rows(G) + L.tiles * TILE_COST_ROWS  # noqa: E731
+    out = sorted(set(out), key=lambda L: (key(L), L))
+    return (*out, Layout(0, tile, tile_count(M, G, tile)))
+
+
+def layout_fits(sizes: jax.Array, layout: Layout) -> jax.Array:
+    """Whether ``layout`` holds groups of ``sizes [G]``: every group within the box, or the rows past the box
+    filling at most ``layout.tiles`` whole tiles."""
+    sizes = sizes.astype(jnp.int32)
+    if layout.tiles == 0:
+        return jnp.max(sizes) <= layout.box
+    return jnp.sum((jnp.maximum(sizes - layout.box, 0) + layout.tile - 1) // layout.tile) <= layout.tiles
+
+
+def layout_index(sizes: jax.Array, layouts: tuple[Layout, ...]) -> jax.Array:
+    """The first of ``layouts`` that holds ``sizes`` (the last, the tiles, holds any)."""
+    if len(layouts) == 1:
+        return jnp.int32(0)
+    fits = jnp.stack([layout_fits(sizes, L) for L in layouts[:-1]] + [jnp.bool_(True)])
+    return jnp.argmax(fits).astype(jnp.int32)
+
+
 def resolve_strategy(strategy: str | None, M: int, G: int) -> str:
     """``"auto"`` (the default) → ``"padded"`` when the groups average ≥ 32 rows (few large experts: the 100m
     preset's 2048 rows in 16 groups), else ``"tiles"`` (many small groups: a MoonEP rank's 224, a decode step)."""
@@ -85,21 +145,6 @@ def resolve_strategy(strategy: str | None, M: int, G: int) -> str:
     if strategy == "auto":
         return "padded" if M >= 32 * G and padded_caps(M, G) else "tiles"
     return strategy
-
-
-def _padded_layout(sizes: jax.Array, M: int, C: int) -> tuple[jax.Array, jax.Array]:
-    """Rows sorted into groups of ``sizes [G]`` in a ``[G, C]`` box (each group's rows first, then zeros):
-    ``src [G·C]`` the row at each box position (``M`` = empty) and ``dest [M]`` each row's box position (``G·C``
-    for rows past the groups). Every group must hold ≤ C rows."""
-    G = sizes.shape[0]
-    sizes = sizes.astype(jnp.int32)
-    end = jnp.cumsum(sizes)
-    start = end - sizes
-    r = jnp.arange(M, dtype=jnp.int32)
-    g = jnp.minimum(count_le(end, M), G - 1)
-    dest = jnp.where(r < end[-1], g * C + (r - start[g]), G * C).astype(jnp.int32)
-    src = jnp.full((G * C,), M, jnp.int32).at[dest].set(r, mode="drop")
-    return src, dest
 
 
 def choose_tile(M: int, G: int, D: int, I: int) -> int:
@@ -134,27 +179,6 @@ def count_le(ends: jax.Array, n: int) -> jax.Array:
     return jnp.cumsum(marks)[:n]
 
 
-def tile_layout(sizes: jax.Array, M: int, t: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Where each of ``M`` rows sorted into groups of ``sizes [G]`` (Σ ≤ M) goes when every group is padded to
-    whole tiles of ``t`` rows. Returns ``(src [nt·t]`` the row at each tiled position (``M`` = padding),
-    ``group [nt]`` each tile's group, ``dest [M]`` each row's tiled position (``nt·t`` for rows past the groups))
-    with ``nt = tile_count(M, G, t)``."""
-    G = sizes.shape[0]
-    nt = tile_count(M, G, t)
-    sizes = sizes.astype(jnp.int32)
-    end = jnp.cumsum(sizes)
-    start = end - sizes
-    tiles = (sizes + t - 1) // t
-    tile_end = jnp.cumsum(tiles)
-    tile_start = tile_end - tiles
-    r = jnp.arange(M, dtype=jnp.int32)
-    g = jnp.minimum(count_le(end, M), G - 1)                              # each row's group
-    dest = jnp.where(r < end[-1], tile_start[g] * t + (r - start[g]), nt * t).astype(jnp.int32)
-    src = jnp.full((nt * t,), M, jnp.int32).at[dest].set(r, mode="drop")
-    group = jnp.minimum(count_le(tile_end, nt), G - 1)
-    return src, group.astype(jnp.int32), dest
-
-
 def grouped_matmul(xs: jax.Array, w: jax.Array, sizes: jax.Array, *, strategy: str | None = None,
                    tile: int | None = None, preferred_element_type=None) -> jax.Array:
     """``y_r = x_r W_{g(r)}`` for rows ``xs [M, D]`` sorted into consecutive groups of ``sizes [G]`` (Σ ≤ M; rows
@@ -169,20 +193,19 @@ def grouped_matmul(xs: jax.Array, w: jax.Array, sizes: jax.Array, *, strategy: s
 
     t = tile or choose_tile(M, G, D, I)
 
-    def layout(cap: int | None):
+    def layout(L: Layout):
         def run(sizes, xs, w):
-            lay = _Blocks(sizes, M, G, cap, t)
+            lay = _Blocks(sizes, M, G, L)
             return lay.unblock(lay.matmul(lay.blocks(xs), (w,), "gcd,gdi->gci", out_dtype))
         return run
 
     if strategy == "tiles":
-        return layout(None)(sizes, xs, w)
-    # the smallest padded rung that holds the largest group, else the tiles, chosen at run time; the backward
-    # runs the taken branch's VJP only (lax.switch's own VJP would carry every branch's residuals)
-    caps = padded_caps(M, G)
-    index = jnp.sum(jnp.max(sizes) > jnp.asarray(caps, jnp.int32)).astype(jnp.int32)
-    branches = [lambda ints, ops, f=layout(c): (f(*ints, *ops), jnp.int32(0)) for c in (*caps, None)]
-    return switch_recompute(index, branches, (sizes,), (xs, w))[0]
+        return layout(Layout(0, t, tile_count(M, G, t)))(sizes, xs, w)
+    # the first padded layout that holds the sizes, chosen at run time; the backward runs the taken branch's VJP
+    # only (lax.switch's own VJP would carry every branch's residuals)
+    layouts = padded_layouts(M, G, t)
+    branches = [lambda ints, ops, f=layout(L): (f(*ints, *ops), jnp.int32(0)) for L in layouts]
+    return switch_recompute(layout_index(sizes, layouts), branches, (sizes,), (xs, w))[0]
 
 
 def _check_strategy(strategy: str | None) -> str:
@@ -198,8 +221,8 @@ def grouped_ffn(xs: jax.Array, sizes: jax.Array, w_gate: jax.Array, w_up: jax.Ar
     group g through expert g: ``act(x W1_g, x W3_g) W2_g`` → ``[M, D]`` in ``promote(dtype, f32)``. Each weight
     is ``[G, ...]`` or a tuple of parts stacked along the expert axis (not copied into one array by the box).
 
-    ``"tiles"`` lays the rows out once (:func:`tile_layout`) and runs all three products and the activation
-    in the tiled layout (padding rows are zeros and are never read back)."""
+    Every layout (:class:`Layout`) lays the rows out once and runs all three products and the activation in it
+    (padding rows are zeros and are never read back)."""
     f = acc_dtype(xs)
     M, D = xs.shape
     G = sum(w.shape[0] for w in _parts(w_gate))
@@ -210,8 +233,14 @@ def grouped_ffn(xs: jax.Array, sizes: jax.Array, w_gate: jax.Array, w_up: jax.Ar
         h = act(jax.lax.ragged_dot(xs, w_gate, sizes, precision=HIGHEST),
                 jax.lax.ragged_dot(xs, w_up, sizes, precision=HIGHEST))
         return jax.lax.ragged_dot(h, w_down, sizes, precision=HIGHEST, preferred_element_type=f)
-    caps = () if strategy == "tiles" else padded_caps(M, G)
-    return _grouped_ffn(xs, sizes, w_gate, w_up, w_down, act, caps, tile or choose_tile(M, G, D, 3 * I))
+    return _grouped_ffn(xs, sizes, w_gate, w_up, w_down, act, ffn_layouts(strategy, M, G, D, I, tile))
+
+
+def ffn_layouts(strategy: str, M: int, G: int, D: int, I: int, tile: int | None = None) -> tuple[Layout, ...]:
+    """The layouts :func:`grouped_ffn` chooses among for ``M`` rows in ``G`` groups through ``[D, I]`` experts under
+    a resolved ``strategy`` (``"padded"``: :func:`padded_layouts`; ``"tiles"``: the tiles alone)."""
+    t = tile or choose_tile(M, G, D, 3 * I)
+    return padded_layouts(M, G, t) if strategy == "padded" else (Layout(0, t, tile_count(M, G, t)),)
 
 
 def _ein(a: jax.Array, b: jax.Array, spec: str, out) -> jax.Array:
@@ -223,27 +252,50 @@ def _parts(w) -> tuple[jax.Array, ...]:
     return tuple(w) if isinstance(w, (tuple, list)) else (w,)
 
 
+def _each(f, *xs):
+    """``f`` over the parts of block tuples ``(box, tiles)`` (None where the layout has no such part)."""
+    return tuple(None if z[0] is None else f(*z) for z in zip(*xs))
+
+
 class _Blocks:
-    """The grouped rows laid out as blocks of equal rows, each block through one expert: the ``[G, C]`` padded box
-    (block g = group g) or tiles of ``t`` rows (block n = a tile of group ``group[n]``). ``src`` gives the row
-    at each block position (M = empty), ``dest`` each row's block position. Weights come as parts along the
-    expert axis (e.g. a MoonEP rank's home experts and its fetched ones): the box multiplies each part's blocks by
-    it as it is, so the experts' weights are never copied into one array; the tiles gather per-tile weights."""
+    """The grouped rows laid out as blocks of equal rows, each block through one expert, by a :class:`Layout`:
+    the padded box ``[G, box]`` (block g = group g's first rows) and/or tiles of ``tile`` rows (tile n = rows of
+    group ``group[n]``). Block data are tuples ``(box [G, box, ·] | None, tiles [n, tile, ·] | None)``. ``src``
+    gives the row at each block position (M = empty), ``dest`` each row's block position. Weights come as parts
+    along the expert axis (e.g. a MoonEP rank's home experts and its fetched ones): the box multiplies each part's
+    blocks by it as it is, so the experts' weights are never copied into one array; the tiles gather per-tile
+    weights from the parts."""
 
-    def __init__(self, sizes: jax.Array, M: int, G: int, cap: int | None, tile: int):
-        self.G = G
-        if cap is not None:
-            self.src, self.dest = _padded_layout(sizes, M, cap)
-            self.group, self.rows = None, cap
+    def __init__(self, sizes: jax.Array, M: int, G: int, layout: Layout):
+        self.G, self.L = G, layout
+        C, t, n = layout
+        sizes = sizes.astype(jnp.int32)
+        end = jnp.cumsum(sizes)
+        start = end - sizes
+        r = jnp.arange(M, dtype=jnp.int32)
+        g = jnp.minimum(count_le(end, M), G - 1)                          # each row's group
+        k = r - start[g]                                                  # its place in the group
+        nb = layout.rows(G)
+        if n:
+            over = (jnp.maximum(sizes - C, 0) + t - 1) // t               # each group's tiles
+            tile_end = jnp.cumsum(over)
+            pos = jnp.where(k < C, g * C + k, G * C + (tile_end - over)[g] * t + k - C)
+            self.group = jnp.minimum(count_le(tile_end, n), G - 1).astype(jnp.int32)
         else:
-            self.src, self.group, self.dest = tile_layout(sizes, M, tile)
-            self.rows = tile
+            pos, self.group = g * C + k, None
+        self.dest = jnp.where(r < end[-1], pos, nb).astype(jnp.int32)
+        self.src = jnp.full((nb,), M, jnp.int32).at[self.dest].set(r, mode="drop")
 
-    def blocks(self, x: jax.Array) -> jax.Array:
-        return jnp.take(x, self.src, axis=0, mode="fill", fill_value=0).reshape(-1, self.rows, x.shape[-1])
+    def blocks(self, x: jax.Array) -> tuple:
+        C, t, n = self.L
+        xb = jnp.take(x, self.src, axis=0, mode="fill", fill_value=0)
+        box = xb[:self.G * C].reshape(self.G, C, x.shape[-1]) if C else None
+        return box, (xb[self.G * C:].reshape(n, t, x.shape[-1]) if n else None)
 
-    def unblock(self, y: jax.Array) -> jax.Array:
-        return jnp.take(y.reshape(-1, y.shape[-1]), self.dest, axis=0, mode="fill", fill_value=0)
+    def unblock(self, yb: tuple) -> jax.Array:
+        flat = [y.reshape(-1, y.shape[-1]) for y in yb if y is not None]
+        y = flat[0] if len(flat) == 1 else jnp.concatenate(flat, 0)
+        return jnp.take(y, self.dest, axis=0, mode="fill", fill_value=0)
 
     def _spans(self, parts):
         g0 = 0
@@ -251,55 +303,74 @@ class _Blocks:
             yield g0, g0 + w.shape[0], w
             g0 += w.shape[0]
 
-    def matmul(self, xb: jax.Array, parts: tuple, spec: str, out) -> jax.Array:
+    def _tile_weights(self, parts: tuple) -> jax.Array:
+        """Each tile's expert weight ``[n, ...]``, gathered from the part that holds its group."""
+        out = None
+        for g0, g1, w in self._spans(parts):
+            wt = jnp.take(w, jnp.clip(self.group - g0, 0, g1 - g0 - 1), axis=0)
+            if out is None:
+                out = wt
+            else:
+                inside = ((self.group >= g0) & (self.group < g1)).reshape(-1, *([1] * (w.ndim - 1)))
+                out = jnp.where(inside, wt, out)
+        return out
+
+    def matmul(self, xb: tuple, parts: tuple, spec: str, out) -> tuple:
         """Each block through its expert's weight (``spec`` over block, rows and the weight's two axes)."""
-        if self.group is None:
-            ys = [_ein(xb[g0:g1], w, spec, out) for g0, g1, w in self._spans(parts)]
-            return ys[0] if len(ys) == 1 else jnp.concatenate(ys, 0)
-        w = parts[0] if len(parts) == 1 else jnp.concatenate(parts, 0)
-        return _ein(xb, jnp.take(w, self.group, axis=0), spec, out)
+        box, tiles = xb
+        if box is not None:
+            ys = [_ein(box[g0:g1], w, spec, out) for g0, g1, w in self._spans(parts)]
+            box = ys[0] if len(ys) == 1 else jnp.concatenate(ys, 0)
+        if tiles is not None:
+            tiles = _ein(tiles, self._tile_weights(parts), spec, out)
+        return box, tiles
 
-    def weight_grad(self, a: jax.Array, b: jax.Array, parts: tuple, spec: str, out) -> tuple[jax.Array, ...]:
+    def weight_grad(self, a: tuple, b: tuple, parts: tuple, spec: str, out) -> tuple[jax.Array, ...]:
         """Per-part expert weight gradients from block operands ``a, b`` (``spec`` → the weight's axes)."""
-        if self.group is None:
-            return tuple(_ein(a[g0:g1], b[g0:g1], spec, out) for g0, g1, _ in self._spans(parts))
-        dw = _ein(a, b, spec, out)
-        full = jnp.zeros((self.G, *dw.shape[1:]), dw.dtype).at[self.group].add(dw)
-        return tuple(full[g0:g1] for g0, g1, _ in self._spans(parts))
+        grads = []
+        tiles = None
+        if a[1] is not None:
+            dw = _ein(a[1], b[1], spec, out)
+            tiles = jnp.zeros((self.G, *dw.shape[1:]), dw.dtype).at[self.group].add(dw)
+        for g0, g1, _ in self._spans(parts):
+            d = _ein(a[0][g0:g1], b[0][g0:g1], spec, out) if a[0] is not None else None
+            if tiles is not None:
+                d = tiles[g0:g1] if d is None else d + tiles[g0:g1]
+            grads.append(d)
+        return tuple(grads)
 
 
-def grouped_ffn_forward(xs: jax.Array, sizes: jax.Array, w_gate, w_up, w_down, act: Act, caps: tuple[int, ...],
-                        tile: int, residuals: bool = True) -> tuple[jax.Array, tuple | None]:
-    """:func:`grouped_ffn`'s forward in the smallest of ``caps`` (padded box) that holds the largest group, else
-    in tiles of ``tile`` rows, chosen at run time; returns ``(y [M, D], residuals)`` for
-    :func:`grouped_ffn_backward`. The residuals are the gate and up products in row order (``[M, I]`` each, the
-    same shape for every layout), so the backward re-lays them out instead of recomputing three products;
-    ``residuals=False`` (a forward that is not differentiated) skips them. Weights: arrays ``[G, ...]`` or tuples
-    of parts along the expert axis."""
+def grouped_ffn_forward(xs: jax.Array, sizes: jax.Array, w_gate, w_up, w_down, act: Act,
+                        layouts: tuple[Layout, ...], residuals: bool = True) -> tuple[jax.Array, tuple | None]:
+    """:func:`grouped_ffn`'s forward in the first of ``layouts`` that holds the sizes (:func:`layout_index`),
+    chosen at run time; returns ``(y [M, D], residuals)`` for :func:`grouped_ffn_backward`. The residuals are the
+    gate and up products in row order (``[M, I]`` each, the same shape for every layout), so the backward re-lays
+    them out instead of recomputing three products; ``residuals=False`` (a forward that is not differentiated)
+    skips them. Weights: arrays ``[G, ...]`` or tuples of parts along the expert axis."""
     M, _ = xs.shape
     wg, wu, wd = _parts(w_gate), _parts(w_up), _parts(w_down)
     G = sum(w.shape[0] for w in wg)
     dt, f = jnp.result_type(xs.dtype, wg[0].dtype), acc_dtype(xs)
-    index = jnp.sum(jnp.max(sizes) > jnp.asarray(caps, jnp.int32)).astype(jnp.int32) if caps else jnp.int32(0)
+    index = layout_index(sizes, layouts)
 
-    def branch(cap):
+    def branch(layout):
         def run(sizes, xs, wg, wu, wd):
-            lay = _Blocks(sizes, M, G, cap, tile)
+            lay = _Blocks(sizes, M, G, layout)
             xb = lay.blocks(xs.astype(dt))
             a, b = lay.matmul(xb, wg, "gcd,gdi->gci", dt), lay.matmul(xb, wu, "gcd,gdi->gci", dt)
-            y = lay.matmul(act(a, b), wd, "gci,gid->gcd", f)
+            y = lay.matmul(_each(act, a, b), wd, "gci,gid->gcd", f)
             return (lay.unblock(y), lay.unblock(a), lay.unblock(b)) if residuals else lay.unblock(y)
         return run
 
-    out = jax.lax.switch(index, [branch(c) for c in caps] + [branch(None)], sizes, xs, wg, wu, wd)
+    out = jax.lax.switch(index, [branch(L) for L in layouts], sizes, xs, wg, wu, wd)
     if not residuals:                   # a forward only (inference): no residual rows to lay out
         return out, None
     y, a, b = out
     return y, (index, a, b)
 
 
-def grouped_ffn_backward(xs: jax.Array, sizes: jax.Array, w_gate, w_up, w_down, act: Act, caps: tuple[int, ...],
-                         tile: int, res: tuple, ct: jax.Array) -> tuple:
+def grouped_ffn_backward(xs: jax.Array, sizes: jax.Array, w_gate, w_up, w_down, act: Act,
+                         layouts: tuple[Layout, ...], res: tuple, ct: jax.Array) -> tuple:
     """The VJP of :func:`grouped_ffn_forward` for the cotangent ``ct [M, D]`` of ``y``: ``(dxs, dw_gate, dw_up,
     dw_down)`` in the layout the forward ran, each weight's gradient shaped as it was given (array or parts)."""
     M, _ = xs.shape
@@ -308,38 +379,38 @@ def grouped_ffn_backward(xs: jax.Array, sizes: jax.Array, w_gate, w_up, w_down, 
     dt, f = jnp.result_type(xs.dtype, wg[0].dtype), acc_dtype(xs)
     index, a_rows, b_rows = res
 
-    def branch(cap):
+    def branch(layout):
         def run(sizes, xs, wg, wu, wd, a_rows, b_rows, ct):
-            lay = _Blocks(sizes, M, G, cap, tile)
-            xb, dy = lay.blocks(xs.astype(dt)), lay.blocks(ct).astype(dt)
-            h, act_vjp = jax.vjp(act, lay.blocks(a_rows), lay.blocks(b_rows))
+            lay = _Blocks(sizes, M, G, layout)
+            xb, dy = lay.blocks(xs.astype(dt)), _each(lambda v: v.astype(dt), lay.blocks(ct))
+            h, act_vjp = jax.vjp(lambda a, b: _each(act, a, b), lay.blocks(a_rows), lay.blocks(b_rows))
             da, db = act_vjp(lay.matmul(dy, wd, "gcd,gid->gci", dt))
-            dxb = lay.matmul(da, wg, "gci,gdi->gcd", f) + lay.matmul(db, wu, "gci,gdi->gcd", f)
+            dxb = _each(jnp.add, lay.matmul(da, wg, "gci,gdi->gcd", f), lay.matmul(db, wu, "gci,gdi->gcd", f))
             return (lay.unblock(dxb), lay.weight_grad(xb, da, wg, "gcd,gci->gdi", f),
                     lay.weight_grad(xb, db, wu, "gcd,gci->gdi", f), lay.weight_grad(h, dy, wd, "gci,gcd->gid", f))
         return run
 
-    dxs, dwg, dwu, dwd = jax.lax.switch(index, [branch(c) for c in caps] + [branch(None)], sizes, xs, wg, wu, wd,
+    dxs, dwg, dwu, dwd = jax.lax.switch(index, [branch(L) for L in layouts], sizes, xs, wg, wu, wd,
                                         a_rows, b_rows, ct)
     cast = lambda gs, ws, orig: (tuple(g.astype(w.dtype) for g, w in zip(gs, ws))  # noqa: E731
                                  if isinstance(orig, (tuple, list)) else gs[0].astype(ws[0].dtype))
     return dxs.astype(xs.dtype), cast(dwg, wg, w_gate), cast(dwu, wu, w_up), cast(dwd, wd, w_down)
 
 
-def _grouped_ffn(xs, sizes, w_gate, w_up, w_down, act: Act, caps: tuple[int, ...], tile: int) -> jax.Array:
+def _grouped_ffn(xs, sizes, w_gate, w_up, w_down, act: Act, layouts: tuple[Layout, ...]) -> jax.Array:
     """:func:`grouped_ffn_forward` with :func:`grouped_ffn_backward` as its VJP."""
 
     @jax.custom_vjp
     def run(sizes, xs, wg, wu, wd):
-        return grouped_ffn_forward(xs, sizes, wg, wu, wd, act, caps, tile, residuals=False)[0]
+        return grouped_ffn_forward(xs, sizes, wg, wu, wd, act, layouts, residuals=False)[0]
 
     def run_fwd(sizes, xs, wg, wu, wd):
-        y, res = grouped_ffn_forward(xs, sizes, wg, wu, wd, act, caps, tile)
+        y, res = grouped_ffn_forward(xs, sizes, wg, wu, wd, act, layouts)
         return y, (sizes, xs, wg, wu, wd, res)
 
     def run_bwd(saved, ct):
         sizes, xs, wg, wu, wd, res = saved
-        return (None, *grouped_ffn_backward(xs, sizes, wg, wu, wd, act, caps, tile, res, ct))
+        return (None, *grouped_ffn_backward(xs, sizes, wg, wu, wd, act, layouts, res, ct))
 
     run.defvjp(run_fwd, run_bwd)
     return run(sizes, xs, w_gate, w_up, w_down)

@@ -7,9 +7,9 @@ Every device holds S tokens (``z [S, D]``, top-K ``idx``/``w [S, K]``) and its E
   its planned slot (:class:`~k3jax.parallel.moonep.PairLayout`: both sides derive where every row goes from the
   replicated counts and plan, so rows travel without keys), fetch ≤ E/R redundant experts' weights from their
   homes into static slots, the experts over exactly S·K rows (E/R home + ⌈m/8⌉ redundant slots through the
-  grouped FFN's padded box, capacity by run-time rung, else its tiles; slots past those in a branch taken only
-  when some rank hosts more), and back. Gradients of fetched weights flow back to their home copy through the
-  transposed exchange.
+  grouped FFN's padded layouts — box, box + overflow tiles, or tiles — chosen at run time; slots past those in a
+  branch taken only when some rank hosts more), and back. Gradients of fetched weights flow back to their home
+  copy through the transposed exchange.
 * ``"dropless"`` — every pair to its expert's home rank; a receive buffer sized for the worst case (S·K from each
   of R sources: S·K·R rows) and a grouped matmul over it.
 * ``"capacity"`` — GShard-style: at most C = ⌈cf·S·K/E⌉ pairs per (source, expert); the rest are dropped
@@ -27,9 +27,11 @@ transiently receive the worst-case R·S·K rows (the plan and the grouped matmul
 say are its own; the weight fetch an ``all_gather`` of every home's experts) and ``"dense"`` (``all_to_all`` of an
 [R, S·K] box built by a gather and unpacked by a scatter). ``"auto"`` picks ragged off CPU, one_hop on it.
 Stats: ``overflow`` counts rows a two-hop exchange could not carry (0 whenever its bounds hold; tests assert it);
-``chunk_rows`` the one-hop chunk that ran (0: two-hop or another exchange); ``box_rows`` the padded box's rows per
-slot (0: tiles); ``fetch_slots`` the redundant-expert slots per rank MoonEP's step ran with (:func:`fetch_menu`:
-⌈m/8⌉, or the planner's bound m when the branch for the slots past them ran).
+``chunk_rows`` the one-hop chunk that ran (0: two-hop or another exchange); ``box_rows``, ``tile_rows``,
+``tiles`` the grouped FFN's layout (:class:`~k3jax.ops.grouped.Layout`: rows per slot in the padded box, 0 = no
+box; rows per overflow tile and the static tile count, 0 = no tiles); ``fetch_slots`` the redundant-expert slots
+per rank MoonEP's step ran with (:func:`fetch_menu`: ⌈m/8⌉, or the planner's bound m when the branch for the slots
+past them ran).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from k3jax.ops.grouped import grouped_ffn, padded_caps
+from k3jax.ops.grouped import ffn_layouts, grouped_ffn, layout_index
 from k3jax.ops.switch import switch_recompute
 from k3jax.parallel.exchange import inverse_map, rows_at, two_hop_exchange, two_hop_return, two_hop_route
 from k3jax.parallel.moonep import PairLayout, pair_counts, pair_layout, plan, rank_in_group, slots_from_alloc
@@ -436,13 +438,14 @@ def moonep_local(z, idx, w, w1, w3, w2, *, act: Act, axis: str, exchange: str = 
         overflow += jnp.where(two_hop, two_hop_route(T, r, Pn, Pn).overflow, 0)
     y_pairs = _route_rows(ys, *route, True)
     y = jnp.sum(y_pairs.reshape(S, K, -1) * w.astype(y_pairs.dtype)[..., None], axis=1)
-    caps = jnp.asarray(padded_caps(Pn, m + F0) or (0,), jnp.int32)
-    box = jnp.min(jnp.where(caps >= jnp.max(L.sizes[:m + F0]), caps, Pn + 1))
+    ffn = ffn_layouts("padded", Pn, m + F0, w1.shape[1], w1.shape[2])
+    ffn_at = layout_index(L.sizes[:m + F0], ffn)                          # the layout grouped_ffn ran
+    ffn_stat = lambda k: jnp.asarray([L_[k] for L_ in ffn], jnp.int32)[ffn_at]  # noqa: E731
     stats = {"fills": pl.n_fills, "fetched_experts": jnp.sum(fetch >= 0), "recv_rows": jnp.int32(Pn),
              "fetch_slots": jnp.where(more, layouts[-1][0], F0).astype(jnp.int32),
              "fetch_rows": jnp.where(more, layouts[-1][1] or -1,
                                      jnp.asarray([M or -1 for _, M in main], jnp.int32)[layout]).astype(jnp.int32),
-             "box_rows": jnp.where(box <= Pn, box, 0).astype(jnp.int32),
+             "box_rows": ffn_stat(0), "tile_rows": ffn_stat(1), "tiles": ffn_stat(2),
              "chunk_rows": jnp.asarray(list(chunks) + [0], jnp.int32)[chunk],
              "dropped": jnp.int32(0), "overflow": overflow}
     return y, stats
@@ -475,7 +478,8 @@ def dropless_local(z, idx, w, w1, w3, w2, *, act: Act, axis: str, exchange: str 
     y_pairs = jnp.zeros_like(y_send).at[order].set(y_send)
     y = jnp.sum(y_pairs.reshape(S, K, -1) * w.astype(y_pairs.dtype)[..., None], axis=1)
     return y, {"fills": jnp.int32(0), "fetched_experts": jnp.int32(0), "fetch_slots": jnp.int32(0),
-               "fetch_rows": jnp.int32(0), "box_rows": jnp.int32(0), "chunk_rows": jnp.int32(0),
+               "fetch_rows": jnp.int32(0), "box_rows": jnp.int32(0), "tile_rows": jnp.int32(0),
+               "tiles": jnp.int32(0), "chunk_rows": jnp.int32(0),
                "recv_rows": jnp.int32(R * Pn),
                "dropped": jnp.int32(0), "overflow": jnp.int32(0)}
 
@@ -505,7 +509,8 @@ def capacity_local(z, idx, w, w1, w3, w2, *, act: Act, axis: str, capacity_facto
     y_pairs = jnp.where(keep[:, None], back[jnp.minimum(e_flat, E - 1), jnp.minimum(pos, C - 1)], 0.0)
     y = jnp.sum(y_pairs.reshape(S, K, -1) * w.astype(f)[..., None], axis=1)
     return y, {"fills": jnp.int32(0), "fetched_experts": jnp.int32(0), "fetch_slots": jnp.int32(0),
-               "fetch_rows": jnp.int32(0), "box_rows": jnp.int32(0), "chunk_rows": jnp.int32(0),
+               "fetch_rows": jnp.int32(0), "box_rows": jnp.int32(0), "tile_rows": jnp.int32(0),
+               "tiles": jnp.int32(0), "chunk_rows": jnp.int32(0),
                "recv_rows": jnp.int32(E * C),
                "dropped": jnp.sum(~keep).astype(jnp.int32), "overflow": jnp.int32(0)}
 
