@@ -75,7 +75,7 @@ def test_expert_parallel_moe_equals_single_device(ep_results):
         G = m + max(1, -(-m // 8))
         layouts = padded_layouts(S_K, G, choose_tile(S_K, G, 16, 3 * 8))
         want = [next(L for L in layouts if fits(sizes, L)) for sizes in c["slot_sizes"]]
-        assert list(zip(c["box_rows"], c["tile_rows"], c["tiles"])) == [tuple(L) for L in want], c
+        assert list(zip(c["box_rows"], c["tile_rows"], c["tiles"])) == [(L.box, L.tile, L.tiles) for L in want], c
         ran |= {(L.box > 0, L.tiles > 0) for L in want}
         # the pairs went in one all_to_all of [R, chunk] rows, the smallest rung holding the plan's largest
         # (source, destination) count, or through the two-hop exchange (chunk 0) past the largest rung

@@ -342,11 +342,16 @@ def test_grouped_ffn_each_layout_and_weight_parts_match_numpy(rng, M, G, split, 
     # the grouped FFN's custom VJP (gate/up rows as residuals) in each layout of padded_layouts — boxes, box +
     # tiles, tiles (which one ran checked by layout_index) — with the weights whole and as two parts along the
     # expert axis (MoonEP's home and fetched experts, never concatenated): values and all four gradients against a
-    # numpy SiLU-GLU FFN, with Σ sizes < M in some cases (the rows past the groups give 0)
-    from k3jax.ops.grouped import choose_tile, grouped_ffn, layout_index, padded_layouts
+    # numpy SiLU-GLU FFN, with Σ sizes < M in some cases (the rows past the groups give 0). The tiles (the
+    # fallback) run in a scan of chunks of tiles: once as grouped_ffn sizes the chunks, once in chunks of 3 tiles
+    # (several steps, the last one padded)
+    from k3jax.ops.grouped import _grouped_ffn, choose_tile, ffn_layouts, layout_index, padded_layouts
     D, I = 6, 5
     layouts = padded_layouts(M, G, choose_tile(M, G, D, 3 * I))
     assert len(layouts) == (4 if G == 4 else 3) and layouts[-1].box == 0, layouts
+    chunked = ffn_layouts("padded", M, G, D, I)
+    assert chunked[:-1] == layouts[:-1] and chunked[-1].chunk > 0 and layouts[-1].tiles % 3, chunked
+    menus = (chunked, (*layouts[:-1], layouts[-1]._replace(chunk=3)))
     assert sorted({want for _, want in cases}) == list(range(len(layouts)))      # every layout runs
     x, dy = rng.normal(size=(M, D)), rng.normal(size=(M, D))
     W = [rng.normal(size=s) / 2 for s in ((G, D, I), (G, D, I), (G, I, D))]
@@ -372,19 +377,21 @@ def test_grouped_ffn_each_layout_and_weight_parts_match_numpy(rng, M, G, split, 
 
     for sizes, want in cases:
         assert int(layout_index(jnp.asarray(sizes, jnp.int32), layouts)) == want, (sizes, layouts)
-    for parts in (False, True):
-        def run(x_, s_, w1, w3, w2, parts=parts):
+    for parts, menu in ((False, menus[0]), (True, menus[0]), (True, menus[1])):
+        def run(x_, s_, w1, w3, w2, parts=parts, menu=menu):
             ws = [(w[:split], w[split:]) if parts else w for w in (w1, w3, w2)]
-            y, pull = jax.vjp(lambda x__, *ws_: grouped_ffn(x__, s_, *ws_, act, strategy="padded"), x_, *ws)
+            y, pull = jax.vjp(lambda x__, *ws_: _grouped_ffn(x__, s_, *ws_, act, menu), x_, *ws)
             dx, *dws = pull(jnp.asarray(dy, jnp.float32))
             return y, dx, [jnp.concatenate(d, 0) if parts else d for d in dws]
 
         f = jax.jit(run)
-        for sizes, _ in cases:
+        for sizes, want in cases:
+            if menu is menus[1] and want < len(layouts) - 1:
+                continue
             y, dx, dws = f(jnp.asarray(x, jnp.float32), jnp.asarray(sizes, jnp.int32), *(jnp.asarray(w, jnp.float32)
                                                                                             for w in W))
             y_want, dx_want, dws_want = numpy_ffn(sizes)
-            msg = f"sizes {sizes}, parts {parts}"
+            msg = f"sizes {sizes}, parts {parts}, tiles {menu[-1]}"
             np.testing.assert_allclose(np.asarray(y), y_want, atol=2e-5, err_msg=msg)
             np.testing.assert_allclose(np.asarray(dx), dx_want, atol=2e-5, err_msg=msg)
             for d, d_want in zip(dws, dws_want):
