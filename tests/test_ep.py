@@ -35,12 +35,12 @@ def test_expert_parallel_moe_equals_single_device(ep_results):
             assert max(c["fills"]) <= R - 1
             if c["routing"] == "balanced":
                 assert max(c["fetched"]) == 0 and max(c["fills"]) == 0        # nothing to move, nothing fetched
-    # MoonEP ran each of its compiled fetch layouts (k3jax.parallel.ep.fetch_layouts: ⌈m/8⌉ = 1 slot with one
+    # MoonEP ran each of its compiled fetch layouts (k3jax.parallel.ep_fetch.fetch_layouts: ⌈m/8⌉ = 1 slot with one
     # weight row or the planner's bound of rows per home, and m slots; m = 32/R experts per rank), each checked
     # against the single device above: on data=2,expert=4 (m = 8) the concentrated routings need more than one
     # redundant expert on some rank, the others one slot; one_fill's single redundant expert (one row from one
     # home) runs the smallest layout with a real fetch
-    from k3jax.parallel.ep import fetch_layouts
+    from k3jax.parallel.ep_fetch import fetch_layouts
 
     layout = {(c["mesh"], c["routing"]): (c["fetch_slots"], c["fetch_rows"]) for c in cases if c["method"] == "moonep"}
     for (mesh, routing), (s, rows) in layout.items():     # per rank; the ranks of one expert group agree

@@ -30,8 +30,8 @@ Stats: ``overflow`` counts rows a two-hop exchange could not carry (0 whenever i
 ``chunk_rows`` the one-hop chunk that ran (0: two-hop or another exchange); ``box_rows``, ``tile_rows``,
 ``tiles`` the grouped FFN's layout (:class:`~k3jax.ops.grouped.Layout`: rows per slot in the padded box, 0 = no
 box; rows per overflow tile and the static tile count, 0 = no tiles); ``fetch_slots`` the redundant-expert slots
-per rank MoonEP's step ran with (:func:`fetch_menu`: ⌈m/8⌉, or the planner's bound m when the branch for the slots
-past them ran).
+per rank MoonEP's step ran with (:func:`~k3jax.parallel.ep_fetch.fetch_menu`: ⌈m/8⌉, or the planner's bound m when
+the branch for the slots past them ran). The redundant-weight fetch is :mod:`k3jax.parallel.ep_fetch`.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from jax.sharding import PartitionSpec as P
 
 from k3jax.ops.grouped import ffn_layouts, grouped_ffn, layout_index
 from k3jax.ops.switch import switch_recompute
+from k3jax.parallel.ep_fetch import fetch_layout_index, fetch_layouts, fetch_weights, fetch_weights_two_hop
 from k3jax.parallel.exchange import inverse_map, rows_at, two_hop_exchange, two_hop_return, two_hop_route
 from k3jax.parallel.moonep import PairLayout, pair_counts, pair_layout, plan, rank_in_group, slots_from_alloc
 
@@ -165,138 +166,6 @@ def _gather_indices(T: jax.Array, r: jax.Array, rows: int) -> tuple[jax.Array, j
 
 
 # --------------------------------------------------------------------------------------------------- MoonEP
-@partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _fetch_one(w: jax.Array, fetch: jax.Array, axis: str) -> jax.Array:
-    """This rank's redundant slots ``[F, ...]`` of the expert weights ``w [m, ...]`` (its home experts):
-    ``fetch [R, F]`` global expert ids (−1 = empty slot, zero weights), read from one ``all_gather`` of every
-    rank's home weights. Backward: the slots' cotangents are all-gathered and each home rank adds those of its
-    own experts (an expert may be fetched by several ranks) — no reduce-scatter of a mostly-zero [E, ...]."""
-    mine = fetch[jax.lax.axis_index(axis)]
-    full = jax.lax.all_gather(w, axis, tiled=True)                        # [E, ...]
-    return jnp.take(full, jnp.where(mine >= 0, mine, full.shape[0]), axis=0, mode="fill", fill_value=0)
-
-
-def _fetch_one_fwd(w, fetch, axis):
-    return _fetch_one(w, fetch, axis), (fetch, jnp.zeros((w.shape[0], 0), w.dtype))   # keeps w's m and dtype
-
-
-def _fetch_one_bwd(axis, res, ct):
-    fetch, shape_of_w = res
-    m = shape_of_w.shape[0]
-    flat = fetch.reshape(-1)
-    home = (flat >= 0) & (flat // m == jax.lax.axis_index(axis))
-    ct_all = jax.lax.all_gather(ct, axis, tiled=True)                     # [R·m, ...] every rank's slots
-    dw = jnp.zeros((m + 1, *ct.shape[1:]), ct.dtype).at[jnp.where(home, flat % m, m)].add(ct_all)
-    return dw[:m].astype(shape_of_w.dtype), None
-
-
-_fetch_one.defvjp(_fetch_one_fwd, _fetch_one_bwd)
-
-
-def _fetch_weights(ws: tuple[jax.Array, ...], fetch: jax.Array, axis: str, R: int) -> tuple[jax.Array, ...]:
-    """Bring each rank's redundant experts (``fetch [R, m]``, −1 = none) from their home ranks (see
-    :func:`_fetch_one`; on CPU an ``all_gather`` is cheaper than an ``all_to_all`` of an [R, m] box that is
-    mostly zeros, and its transpose needs no reduction over ranks)."""
-    del R
-    if len({w.dtype for w in ws}) > 1:
-        return tuple(_fetch_one(w, fetch, axis) for w in ws)
-    m = ws[0].shape[0]
-    flat = _fetch_one(jnp.concatenate([w.reshape(m, -1) for w in ws], axis=1), fetch, axis)   # one collective
-    cuts = [0]
-    for w in ws:
-        cuts.append(cuts[-1] + math.prod(w.shape[1:]))
-    return tuple(flat[:, a:b].reshape(-1, *w.shape[1:]) for w, a, b in zip(ws, cuts[:-1], cuts[1:]))
-
-
-def _fetch_weights_two_hop(ws: tuple[jax.Array, ...], fetch: jax.Array, axis: str, R: int,
-                           M_in: int | None = None) -> tuple[tuple[jax.Array, ...], jax.Array]:
-    """:func:`_fetch_weights` as a two-hop exchange (:mod:`k3jax.parallel.exchange`): home o sends the rows
-    ``(u, j)`` with ``fetch[u, j]`` one of its experts, in (u, j) order — at most m + R − 2 of them, since the
-    planner's fills from one donor cut its home experts in one pass and only a cut expert goes to two receivers
-    (and at most (R−1)·F for F slots per rank). Each receiver's slots all come from the one donor that filled
-    it, so hop 2 needs ⌈F/R⌉ rows per pair, and its fetched experts (a prefix of ``fetch[u]``, increasing id, so
-    by home then slot) arrive in slot order. Moves ≈ 2·F rows per rank where the ``all_gather`` moves E.
-    ``fetch [R, F]``; ``M_in``: the rows a home may send (default the bound above; a smaller one that
-    :func:`fetch_sends` shows to hold shrinks hop 1 to ⌈M_in/R⌉ rows per pair). Returns ``(fetched weights
-    [F, ...] each, overflow)``."""
-    m = ws[0].shape[0]
-    F = fetch.shape[1]
-    r = jax.lax.axis_index(axis)
-    flat = fetch.reshape(-1)
-    home = _fetch_homes(fetch, m, R)                                     # [R·F], R = empty slot
-    T = fetch_sends(fetch, m, R, home)                                   # [home, receiver]
-    M_in = min(m + R - 1, R * F) if M_in is None else M_in
-    mine = jnp.argsort(jnp.where(home == r, 0, 1), stable=True)[:M_in]   # my entries in (u, j) order
-    n_mine = T[r].sum()
-    src = jnp.where(jnp.arange(M_in) < n_mine, flat[mine] % m, m)       # m = no row
-    route = two_hop_route(T, r, M_in, F, c2=-(-F // R))
-    overflow = route.overflow + jnp.maximum(n_mine - M_in, 0).astype(jnp.int32)
-    out = []
-    dtypes = {w.dtype for w in ws}
-    groups = [ws] if len(dtypes) == 1 else [(w,) for w in ws]
-    for g in groups:                                                     # one exchange per dtype
-        # each weight's rows first, then one concatenation of the few sent rows (concatenating the whole home
-        # weights first copied all m experts: the largest single op of MoonEP's step at R=8, E=896)
-        send = jnp.concatenate([jnp.take(w.reshape(m, -1), src, axis=0, mode="fill", fill_value=0) for w in g], 1)
-        got = two_hop_exchange(send, route, axis, R)                     # [F, ·] in slot order
-        a = 0
-        for w in g:
-            b = a + math.prod(w.shape[1:])
-            out.append(got[:, a:b].reshape(F, *w.shape[1:]))
-            a = b
-    return tuple(out), overflow
-
-
-def _fetch_homes(fetch: jax.Array, m: int, R: int) -> jax.Array:
-    """The home rank of each redundant slot of ``fetch [R, F]`` (flattened ``[R·F]``; R = empty slot)."""
-    flat = fetch.reshape(-1)
-    return jnp.where(flat >= 0, flat // m, R)
-
-
-def fetch_sends(fetch: jax.Array, m: int, R: int, home: jax.Array | None = None) -> jax.Array:
-    """``[R(home), R(receiver)]``: how many of each receiver's redundant slots (``fetch [R, F]``, −1 = none)
-    each home rank fills (row sums: the weight rows a home sends). ``home``: :func:`_fetch_homes`, if at hand."""
-    F = fetch.shape[1]
-    home = _fetch_homes(fetch, m, R) if home is None else home
-    return jnp.zeros((R + 1, R), jnp.int32).at[home, jnp.arange(R * F) // F].add(1)[:R]
-
-
-def fetch_menu(m: int) -> tuple[int, ...]:
-    """Static numbers of redundant-expert slots per rank MoonEP compiles for: ⌈m/8⌉ (what the plan needs on the
-    routings of ``benchmarks.moonep``: ≤ 10 of 112 at R=8, ≤ 2 of 14 at R=64), then the planner's bound m. The
-    smallest that holds every rank's fetches runs; the others cost compile time only."""
-    small = max(1, -(-m // 8))
-    return (small, m) if small < m else (m,)
-
-
-def fetch_layouts(m: int, R: int, two_hop: bool) -> tuple[tuple[int, int | None], ...]:
-    """The static ``(F slots per rank, M_in weight rows a home sends)`` MoonEP compiles its expert step for, in
-    order: with the two-hop fetch, each slot count of :func:`fetch_menu` with the planner's bound on what one home
-    sends (``min(m + R − 1, R·F)``), preceded for the small slot count by ``M_in = ⌈m/8⌉`` — on the routings of
-    ``benchmarks.moonep`` a home sends a few expert rows, and the bound's hop 1 moved m of them per rank
-    (2.75 MB of the 3.1 MB a rank sent at R=8, E=896). ``M_in`` None: not a two-hop fetch. The plan picks the
-    first layout that holds its fetches (:func:`fetch_layout_index`)."""
-    if not two_hop:
-        return tuple((F, None) for F in fetch_menu(m))
-    out: list[tuple[int, int | None]] = []
-    for F in fetch_menu(m):
-        bound = min(m + R - 1, R * F)
-        small = min(max(1, -(-m // 8)), bound)
-        if F < m and small < bound:
-            out.append((F, small))
-        out.append((F, bound))
-    return tuple(out)
-
-
-def fetch_layout_index(fetch: jax.Array, layouts: tuple[tuple[int, int | None], ...], m: int, R: int) -> jax.Array:
-    """The first of ``layouts`` that holds ``fetch [R, m]`` (every rank's redundant slots, the same on every rank,
-    so every rank picks the same layout): its used slots fit F and no home sends more than M_in rows."""
-    n_fetch = jnp.max(jnp.sum(fetch >= 0, axis=1))
-    n_send = jnp.max(jnp.sum(fetch_sends(fetch, m, R), axis=1))
-    fits = jnp.stack([(n_fetch <= F) & (True if M is None else n_send <= M) for F, M in layouts])
-    return jnp.argmax(fits).astype(jnp.int32)       # the last layout (the planner's bounds) always fits
-
-
 def one_hop_chunks(P_: int, R: int) -> tuple[int, ...]:
     """Rows per (source, destination) chunk of the one-hop exchange, smallest first: 1.25×, 1.5× and 2× the mean
     ``S·K / R`` (rounded up to 8, below S·K). The plan fixes every pair's rows ``T [R, R]`` before the exchange and
@@ -407,8 +276,8 @@ def moonep_local(z, idx, w, w1, w3, w2, *, act: Act, axis: str, exchange: str = 
     def fetch_with(F: int, M_in: int | None, first: int = 0):
         def run(fetch, w1, w3, w2):
             if two_hop_fetch:
-                return _fetch_weights_two_hop((w1, w3, w2), fetch[:, first:first + F], axis, R, M_in)
-            return _fetch_weights((w1, w3, w2), fetch[:, first:first + F], axis, R), jnp.int32(0)
+                return fetch_weights_two_hop((w1, w3, w2), fetch[:, first:first + F], axis, R, M_in)
+            return fetch_weights((w1, w3, w2), fetch[:, first:first + F], axis, R), jnp.int32(0)
         return run
 
     pre, overflow = jax.lax.switch(layout, [fetch_with(*lt) for lt in main], fetch, w1, w3, w2)
