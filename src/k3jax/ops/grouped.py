@@ -13,10 +13,10 @@ Grouped-matmul strategies (:data:`GROUPED_STRATEGIES`), the same arithmetic; ``"
   holds the sizes runs. The fallback tiles run in a scan of chunks of tiles (≤ 1 MiB of gathered weights a step):
   compiled into every step but rarely taken, their all-at-once form sized the step's temporary buffer — the 100m
   preset's routed-expert FFN (fwd+bwd, one device) 121.6 → 42.0 MiB, and when taken 93.6 → 78.8 ms; a MoonEP step
-  16.3 → 14.4 MiB and 70.2 → 68.2 ms (uniform), 80.9 → 77.3 ms (zipf 1.0), side by side in one process. The FFN's
-  backward is a custom VJP (:func:`grouped_ffn_backward`) whose residuals are the
-  gate and up rows, one shape for every layout, so it runs the taken layout's VJP without recomputing the
-  forward (:func:`grouped_matmul` keeps :func:`~k3jax.ops.switch.switch_recompute`).
+  16.3 → 14.4 MiB and 70.2 → 68.2 ms (uniform), 80.9 → 77.3 ms (zipf 1.0), side by side in one process.
+  The FFN's backward is a custom VJP (:func:`grouped_ffn_backward`) whose residuals are the gate and up rows, one
+  shape for every layout, so it runs the taken layout's VJP without recomputing the forward
+  (:func:`grouped_matmul` keeps :func:`~k3jax.ops.switch.switch_recompute`).
   The 100m preset's routed experts (2048 rows, 16 groups, largest 210, fwd+bwd): 60 ms against 86 ms for the
   tiles (19–24 ms for a perfectly balanced dense batched GEMM); its whole training step 7.7 → 5.7 s (2 cores,
   side by side in one process).
