@@ -45,9 +45,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from k3jax.ops.grouped import ffn_layouts, grouped_ffn, layout_index
-from k3jax.ops.switch import switch_recompute
-from k3jax.parallel.ep_fetch import fetch_layout_index, fetch_layouts, fetch_weights, fetch_weights_two_hop
+from k3jax.ops.grouped import ffn_layouts, grouped_ffn, grouped_ffn_backward, grouped_ffn_forward, layout_index
+from k3jax.parallel.ep_fetch import (fetch_forward, fetch_layout_index, fetch_layouts, fetch_route, fetch_transpose,
+                                    fetch_weights, fetch_weights_two_hop)
 from k3jax.parallel.exchange import inverse_map, rows_at, two_hop_exchange, two_hop_return, two_hop_route
 from k3jax.parallel.moonep import PairLayout, pair_counts, pair_layout, plan, rank_in_group, slots_from_alloc
 
@@ -242,6 +242,115 @@ def _route_bwd(kind, chunks, axis, R, back, res, ct):
 _route_rows.defvjp(_route_fwd, _route_bwd)
 
 
+@dataclass(frozen=True)
+class _Experts:
+    """Static configuration of :func:`_moonep_experts`."""
+    act: Act
+    axis: str
+    R: int
+    two_hop: bool            # the redundant-weight fetch: two-hop exchange (CPU exchanges) or all_gather
+
+    def branches(self, m: int, M: int, D: int, I: int):
+        """``(fetch layouts of the common step, layout of the rare "more" case, grouped-FFN layouts)``."""
+        layouts = fetch_layouts(m, self.R, self.two_hop)
+        F0 = layouts[0][0]
+        return tuple(lt for lt in layouts if lt[0] == F0), layouts[-1], ffn_layouts("padded", M, m + F0, D, I)
+
+
+def _experts_index(fetch: jax.Array, ex: _Experts, main: tuple, m: int) -> jax.Array:
+    """The branch of :func:`_moonep_experts` every rank runs: the first of ``main`` that holds the first F0 slots'
+    fetches, or ``len(main)`` when some rank hosts more than F0 redundant experts (the same on every rank)."""
+    F0 = main[0][0]
+    more = jnp.max(jnp.sum(fetch >= 0, axis=1)) > F0
+    return jnp.where(more, len(main), fetch_layout_index(fetch[:, :F0], main, m, ex.R)).astype(jnp.int32)
+
+
+def _past_F0(xs, sizes, fetch, w1, w3, w2, ex: _Experts, F0: int):
+    """The redundant slots past the first F0 (rare: a rank hosting more): their own fetch (the planner's bound)
+    and grouped FFN over the segment rows after the first m + F0 slots → ``(y [P, D], overflow)``."""
+    m, Pn = w1.shape[0], xs.shape[0]
+    if ex.two_hop:
+        fw, overflow = fetch_weights_two_hop((w1, w3, w2), fetch[:, F0:], ex.axis, ex.R)
+    else:
+        fw, overflow = fetch_weights((w1, w3, w2), fetch[:, F0:], ex.axis, ex.R), jnp.int32(0)
+    q = jnp.arange(Pn, dtype=jnp.int32)
+    first = jnp.sum(sizes[:m + F0])                                       # their rows follow the first m + F0 slots
+    y = grouped_ffn(rows_at(xs, jnp.where(q + first < Pn, q + first, -1)), sizes[m + F0:], *fw, ex.act,
+                    strategy="padded")
+    return rows_at(y, jnp.where(q >= first, q - first, -1)), overflow
+
+
+def _experts_forward(xs, sizes, fetch, w1, w3, w2, ex: _Experts, residuals: bool):
+    m, (Pn, D), I = w1.shape[0], xs.shape, w1.shape[2]
+    main, _, ffn = ex.branches(m, Pn, D, I)
+    F0 = main[0][0]
+
+    def branch(M_in: int | None, more: bool):
+        def run(xs, sizes, fetch, w1, w3, w2):
+            fr, overflow = fetch_route(fetch[:, :F0], m, ex.R, ex.axis, M_in, ex.two_hop)
+            pre = fetch_forward((w1, w3, w2), fetch[:, :F0], fr, ex.axis, ex.R)
+            W = [(a, b.astype(a.dtype)) for a, b in zip((w1, w3, w2), pre)]      # home and fetched, not concatenated
+            y, res = grouped_ffn_forward(xs, sizes[:m + F0], *W, ex.act, ffn, residuals)
+            if more:
+                y_more, more_overflow = _past_F0(xs, sizes, fetch, w1, w3, w2, ex, F0)
+                y, overflow = y + y_more.astype(y.dtype), overflow + more_overflow
+            return (y, overflow, (*res, *pre)) if residuals else (y, overflow)
+        return run
+
+    index = _experts_index(fetch, ex, main, m)
+    branches = [branch(M, False) for _, M in main] + [branch(main[-1][1], True)]
+    return index, jax.lax.switch(index, branches, xs, sizes, fetch, w1, w3, w2)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _moonep_experts(xs, sizes, fetch, w1, w3, w2, ex: _Experts):
+    """MoonEP's experts at one rank: its segment rows ``xs [P, D]`` (slot sizes ``sizes [2m]``) through its m home
+    experts and its redundant slots ``fetch [R, 2m − m]`` (weights fetched from their homes) → ``(y [P, D],
+    overflow)``. The home slots and the first F0 redundant ones (F0 = :func:`~k3jax.parallel.ep_fetch.fetch_menu`'s
+    small count) run through the grouped FFN with weights fetched in the smallest layout that holds them; a rank
+    hosting more runs the slots past F0 too (a branch taken by all ranks together, the plan being replicated).
+
+    The backward adds the fetched slots' weight gradients to their home experts' gradients by a scatter of those
+    few rows into the FFN's home gradient (:func:`~k3jax.parallel.ep_fetch.fetch_transpose`), and the branch not
+    taken adds nothing: letting autodiff transpose the fetch and the rare branch added zero-filled ``[m, ...]``
+    gradients per weight — three passes over the expert weights for a few rows (MoonEP step 70 → 64 ms at R=8)."""
+    return _experts_forward(xs, sizes, fetch, w1, w3, w2, ex, residuals=False)[1]
+
+
+def _experts_fwd(xs, sizes, fetch, w1, w3, w2, ex):
+    index, (y, overflow, res) = _experts_forward(xs, sizes, fetch, w1, w3, w2, ex, residuals=True)
+    return (y, overflow), (xs, sizes, fetch, w1, w3, w2, index, res)
+
+
+def _experts_bwd(ex, saved, ct):
+    xs, sizes, fetch, w1, w3, w2, index, res = saved
+    m, (Pn, D), I = w1.shape[0], xs.shape, w1.shape[2]
+    main, _, ffn = ex.branches(m, Pn, D, I)
+    F0 = main[0][0]
+
+    def branch(M_in: int | None, more: bool):
+        def run(xs, sizes, fetch, w1, w3, w2, res, ct):
+            ffn_index, a, b, *pre = res
+            fr, _ = fetch_route(fetch[:, :F0], m, ex.R, ex.axis, M_in, ex.two_hop)
+            W = [(w, p.astype(w.dtype)) for w, p in zip((w1, w3, w2), pre)]
+            dxs, *dws = grouped_ffn_backward(xs, sizes[:m + F0], *W, ex.act, ffn, (ffn_index, a, b), ct)
+            dws = fetch_transpose(tuple(d[1] for d in dws), tuple(d[0] for d in dws), fr, ex.axis, ex.R)
+            if more:                          # rare: autodiff of the slots past F0, recomputing their forward
+                _, pull = jax.vjp(lambda x, *w: _past_F0(x, sizes, fetch, *w, ex, F0)[0], xs, w1, w3, w2)
+                dx_more, *dw_more = pull(ct.astype(jnp.promote_types(ct.dtype, jnp.float32)))
+                dxs = dxs + dx_more.astype(dxs.dtype)
+                dws = tuple(d + e.astype(d.dtype) for d, e in zip(dws, dw_more))
+            return (dxs, *dws)
+        return run
+
+    branches = [branch(M, False) for _, M in main] + [branch(main[-1][1], True)]
+    dxs, dw1, dw3, dw2 = jax.lax.switch(index, branches, xs, sizes, fetch, w1, w3, w2, res, ct[0])
+    return dxs, None, None, dw1, dw3, dw2
+
+
+_moonep_experts.defvjp(_experts_fwd, _experts_bwd)
+
+
 def moonep_local(z, idx, w, w1, w3, w2, *, act: Act, axis: str, exchange: str = "dense"):
     """Per-device body of the MoonEP MoE (see the module docstring). Returns ``(y [S, D] fp32, stats)``."""
     S, K = idx.shape
@@ -261,47 +370,14 @@ def moonep_local(z, idx, w, w1, w3, w2, *, act: Act, axis: str, exchange: str = 
     zp = jnp.broadcast_to(z[:, None], (S, K, z.shape[-1])).reshape(Pn, -1)  # pair p = (token p // K, choice)
     xs = _route_rows(zp, *route, False)                                   # [Pn, D] by slot here
     _, _, fetch = slots_from_alloc(pl.alloc)
-    # The experts: the m home slots and the first F0 redundant ones (F0 = fetch_menu's small count; weights
-    # fetched in the smallest of the F0 layouts that holds every rank's first F0 slots) through the grouped FFN,
-    # outside any branch, so nothing in the common step sits behind a conditional. The slots past F0 — a rank
-    # hosting more redundant experts, e.g. every rank a hot rank fills — run in a branch taken only then (the
-    # plan is the same on every rank, so all take it together): their own weight fetch and grouped FFN over the
-    # segment rows after the first m + F0 slots; its backward recomputes it.
     two_hop_fetch = exchange in ("one_hop", "two_hop")
+    ex = _Experts(act, axis, R, two_hop_fetch)
+    ys, overflow = _moonep_experts(xs, L.sizes, fetch, w1, w3, w2, ex)
     layouts = fetch_layouts(m, R, two_hop_fetch)
     F0 = layouts[0][0]
     main = tuple(lt for lt in layouts if lt[0] == F0)
-    layout = fetch_layout_index(fetch[:, :F0], main, m, R)
-
-    def fetch_with(F: int, M_in: int | None, first: int = 0):
-        def run(fetch, w1, w3, w2):
-            if two_hop_fetch:
-                return fetch_weights_two_hop((w1, w3, w2), fetch[:, first:first + F], axis, R, M_in)
-            return fetch_weights((w1, w3, w2), fetch[:, first:first + F], axis, R), jnp.int32(0)
-        return run
-
-    pre, overflow = jax.lax.switch(layout, [fetch_with(*lt) for lt in main], fetch, w1, w3, w2)
-    W = [(a, b.astype(a.dtype)) for a, b in zip((w1, w3, w2), pre)]       # home and fetched, not concatenated
-    ys = grouped_ffn(xs, L.sizes[:m + F0], *W, act, strategy="padded")
     more = jnp.max(jnp.sum(fetch >= 0, axis=1)) > F0
-    if F0 < m:
-        def none(ints, floats):
-            return jnp.zeros(ys.shape, ys.dtype), jnp.int32(0)
-
-        def slots_past_F0(ints, floats):
-            fetch, sizes = ints
-            xs, w1, w3, w2 = floats
-            fw, fetch_overflow = fetch_with(m - F0, None, F0)(fetch, w1, w3, w2)
-            q = jnp.arange(Pn, dtype=jnp.int32)
-            first = jnp.sum(sizes[:m + F0])                               # their rows follow the first m + F0 slots
-            y = grouped_ffn(rows_at(xs, jnp.where(q + first < Pn, q + first, -1)), sizes[m + F0:], *fw, act,
-                            strategy="padded")
-            return rows_at(y, jnp.where(q >= first, q - first, -1)).astype(ys.dtype), fetch_overflow
-
-        y_more, more_overflow = switch_recompute(more.astype(jnp.int32), [none, slots_past_F0], (fetch, L.sizes),
-                                                 (xs, w1, w3, w2))
-        ys = ys + y_more
-        overflow += more_overflow
+    layout = fetch_layout_index(fetch[:, :F0], main, m, R)
     if exchange in ("one_hop", "two_hop"):   # rows a two-hop exchange of the pairs could not carry
         two_hop = exchange == "two_hop" or chunk == len(chunks)
         overflow += jnp.where(two_hop, two_hop_route(T, r, Pn, Pn).overflow, 0)

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import math
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from k3jax.parallel.exchange import two_hop_exchange, two_hop_route
+from k3jax.parallel.exchange import (TwoHopRoute, two_hop_backward, two_hop_exchange, two_hop_forward,
+                                    two_hop_route)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -71,34 +73,113 @@ def fetch_weights_two_hop(ws: tuple[jax.Array, ...], fetch: jax.Array, axis: str
     it, so hop 2 needs ⌈F/R⌉ rows per pair, and its fetched experts (a prefix of ``fetch[u]``, increasing id, so
     by home then slot) arrive in slot order. Moves ≈ 2·F rows per rank where the ``all_gather`` moves E.
     ``fetch [R, F]``; ``M_in``: the rows a home may send (default the bound above; a smaller one that
-    :func:`fetch_sends` shows to hold shrinks hop 1 to ⌈M_in/R⌉ rows per pair). Returns ``(fetched weights
-    [F, ...] each, overflow)``."""
-    m = ws[0].shape[0]
+    :func:`fetch_sends` shows to hold shrinks hop 1 to ⌈M_in/R⌉ rows per pair). Differentiable (the transpose
+    scatter-adds the slots' gradients into fresh zeros; :func:`fetch_transpose` adds them to a given gradient
+    instead). Returns ``(fetched weights [F, ...] each, overflow)``."""
+    fr, overflow = fetch_route(fetch, ws[0].shape[0], R, axis, M_in)
+    out: list[jax.Array] = [None] * len(ws)   # type: ignore[list-item]
+    for g in _dtype_groups(ws):                                          # one exchange per dtype
+        got = two_hop_exchange(_send_rows([ws[i] for i in g], fr.src), fr.route, axis, R)   # [F, ·] slot order
+        for i, v in zip(g, _split(got, [ws[i] for i in g], fetch.shape[1])):
+            out[i] = v
+    return tuple(out), overflow
+
+
+class FetchRoute(NamedTuple):
+    """One rank's side of a redundant-weight fetch. ``src [M]``: the home expert row behind each row this rank
+    sends (two-hop) or receives back in the transpose (``all_gather``), ``m`` = none — the scatter index of the
+    slots' gradients into this rank's home experts; ``route``: the two-hop maps (None: the ``all_gather`` fetch)."""
+    src: jax.Array
+    route: TwoHopRoute | None
+
+
+def fetch_route(fetch: jax.Array, m: int, R: int, axis: str, M_in: int | None = None,
+                two_hop: bool = True) -> tuple[FetchRoute, jax.Array]:
+    """This rank's :class:`FetchRoute` for the redundant slots ``fetch [R, F]`` (see
+    :func:`fetch_weights_two_hop` for ``M_in``) and the rows the two-hop route could not carry (0 when the bounds
+    hold)."""
     F = fetch.shape[1]
     r = jax.lax.axis_index(axis)
     flat = fetch.reshape(-1)
     home = _fetch_homes(fetch, m, R)                                     # [R·F], R = empty slot
+    if not two_hop:
+        return FetchRoute(jnp.where(home == r, flat % m, m).astype(jnp.int32), None), jnp.int32(0)
     T = fetch_sends(fetch, m, R, home)                                   # [home, receiver]
     M_in = min(m + R - 1, R * F) if M_in is None else M_in
     mine = jnp.argsort(jnp.where(home == r, 0, 1), stable=True)[:M_in]   # my entries in (u, j) order
     n_mine = T[r].sum()
-    src = jnp.where(jnp.arange(M_in) < n_mine, flat[mine] % m, m)       # m = no row
+    src = jnp.where(jnp.arange(M_in) < n_mine, flat[mine] % m, m).astype(jnp.int32)
     route = two_hop_route(T, r, M_in, F, c2=-(-F // R))
-    overflow = route.overflow + jnp.maximum(n_mine - M_in, 0).astype(jnp.int32)
-    out = []
-    dtypes = {w.dtype for w in ws}
-    groups = [ws] if len(dtypes) == 1 else [(w,) for w in ws]
-    for g in groups:                                                     # one exchange per dtype
-        # each weight's rows first, then one concatenation of the few sent rows (concatenating the whole home
-        # weights first copied all m experts: the largest single op of MoonEP's step at R=8, E=896)
-        send = jnp.concatenate([jnp.take(w.reshape(m, -1), src, axis=0, mode="fill", fill_value=0) for w in g], 1)
-        got = two_hop_exchange(send, route, axis, R)                     # [F, ·] in slot order
+    return FetchRoute(src, route), route.overflow + jnp.maximum(n_mine - M_in, 0).astype(jnp.int32)
+
+
+def fetch_forward(ws: tuple[jax.Array, ...], fetch: jax.Array, fr: FetchRoute, axis: str,
+                  R: int) -> tuple[jax.Array, ...]:
+    """The redundant slots' weights ``[F, ...]`` each (``fetch [R, F]``, zeros in empty slots) along ``fr``, with
+    no VJP: :func:`fetch_transpose` is its transpose."""
+    F = fetch.shape[1]
+    out: list[jax.Array] = [None] * len(ws)   # type: ignore[list-item]
+    for g in _dtype_groups(ws):
+        part = [ws[i] for i in g]
+        if fr.route is not None:
+            got = two_hop_forward(_send_rows(part, fr.src), fr.route, axis, R)
+        else:
+            m = part[0].shape[0]
+            full = jax.lax.all_gather(jnp.concatenate([w.reshape(m, -1) for w in part], 1), axis, tiled=True)
+            mine = fetch[jax.lax.axis_index(axis)]
+            got = jnp.take(full, jnp.where(mine >= 0, mine, full.shape[0]), axis=0, mode="fill", fill_value=0)
+        for i, v in zip(g, _split(got, part, F)):
+            out[i] = v
+    return tuple(out)
+
+
+def fetch_transpose(d_slots: tuple[jax.Array, ...], dws: tuple[jax.Array, ...], fr: FetchRoute, axis: str,
+                    R: int) -> tuple[jax.Array, ...]:
+    """The transpose of :func:`fetch_forward`: the slots' gradients ``d_slots [F, ...]`` each go back to their
+    home ranks and are added to the home experts' gradients ``dws [m, ...]`` there — a scatter-add of the few
+    rows into ``dws`` (in place when ``dws`` is not used again), never a zero-filled ``[m, ...]`` per weight."""
+    out: list[jax.Array] = [None] * len(dws)   # type: ignore[list-item]
+    for g in _dtype_groups(d_slots):
+        part = [d_slots[i] for i in g]
+        flat = jnp.concatenate([d.reshape(d.shape[0], -1) for d in part], 1)
+        if fr.route is not None:
+            rows = two_hop_backward(flat, fr.route, axis, R, fr.src.shape[0])          # [M_in, ·] send order
+        else:
+            rows = jax.lax.all_gather(flat, axis, tiled=True)                         # [R·F, ·] every slot
         a = 0
-        for w in g:
-            b = a + math.prod(w.shape[1:])
-            out.append(got[:, a:b].reshape(F, *w.shape[1:]))
+        for i in g:
+            dw = dws[i]
+            b = a + math.prod(dw.shape[1:])
+            upd = rows[:, a:b].astype(dw.dtype)
+            out[i] = dw.reshape(dw.shape[0], -1).at[fr.src].add(upd, mode="drop").reshape(dw.shape)
             a = b
-    return tuple(out), overflow
+    return tuple(out)
+
+
+def _dtype_groups(ws) -> list[list[int]]:
+    """Indices of ``ws`` grouped by dtype, in order (one exchange per dtype)."""
+    groups: dict = {}
+    for i, w in enumerate(ws):
+        groups.setdefault(jnp.dtype(w.dtype), []).append(i)
+    return list(groups.values())
+
+
+def _send_rows(ws: list[jax.Array], src: jax.Array) -> jax.Array:
+    """The rows ``src`` (``m`` = a zero row) of each weight, side by side ``[M, Σ X]`` — each weight's few rows
+    first, then one concatenation (concatenating the whole home weights first copied all m experts: the largest
+    single op of MoonEP's step at R=8, E=896)."""
+    m = ws[0].shape[0]
+    return jnp.concatenate([jnp.take(w.reshape(m, -1), src, axis=0, mode="fill", fill_value=0) for w in ws], 1)
+
+
+def _split(got: jax.Array, ws: list[jax.Array], F: int) -> list[jax.Array]:
+    """Columns of ``got [F, Σ X]`` back into ``[F, ...]`` per weight of ``ws``."""
+    out, a = [], 0
+    for w in ws:
+        b = a + math.prod(w.shape[1:])
+        out.append(got[:, a:b].reshape(F, *w.shape[1:]))
+        a = b
+    return out
 
 
 def _fetch_homes(fetch: jax.Array, m: int, R: int) -> jax.Array:

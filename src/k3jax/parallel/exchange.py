@@ -94,7 +94,8 @@ def rows_at(x: jax.Array, idx: jax.Array) -> jax.Array:
     return jnp.take(x, jnp.where(idx < 0, x.shape[0], idx), axis=0, mode="fill", fill_value=0)
 
 
-def _forward(x, route: TwoHopRoute, axis: str, R: int):
+def two_hop_forward(x: jax.Array, route: TwoHopRoute, axis: str, R: int) -> jax.Array:
+    """:func:`two_hop_exchange` without its VJP (for callers that write their own backward)."""
     c1 = route.inv2.shape[0] // R
     c2 = route.inv3.shape[0] // R
     tail = x.shape[1:]
@@ -106,7 +107,8 @@ def _forward(x, route: TwoHopRoute, axis: str, R: int):
     return rows_at(recv2, route.fwd3)
 
 
-def _backward(y, route: TwoHopRoute, axis: str, R: int, M_in: int):
+def two_hop_backward(y: jax.Array, route: TwoHopRoute, axis: str, R: int, M_in: int) -> jax.Array:
+    """The transpose of :func:`two_hop_forward` (:func:`two_hop_return` without its VJP)."""
     c1 = route.inv2.shape[0] // R
     c2 = route.inv3.shape[0] // R
     tail = y.shape[1:]
@@ -122,16 +124,16 @@ def two_hop_exchange(x: jax.Array, route: TwoHopRoute, axis: str, R: int) -> jax
     """Send ``x [M_in, ...]`` (rows sorted by destination) along ``route`` (:func:`two_hop_route`) inside
     ``shard_map`` over ``axis`` (size R) → ``[M_out, ...]``: the rows each source sent here, by source then in
     the source's order (what ``jax.lax.ragged_all_to_all`` gives with offsets from the same ``T``); 0 past them."""
-    return _forward(x, route, axis, R)
+    return two_hop_forward(x, route, axis, R)
 
 
 def _ex_fwd(x, route, axis, R):
-    return _forward(x, route, axis, R), (route, x.shape[0])
+    return two_hop_forward(x, route, axis, R), (route, x.shape[0])
 
 
 def _ex_bwd(axis, R, res, ct):
     route, M_in = res
-    return _backward(ct, route, axis, R, M_in), None
+    return two_hop_backward(ct, route, axis, R, M_in), None
 
 
 two_hop_exchange.defvjp(_ex_fwd, _ex_bwd)
@@ -141,15 +143,15 @@ two_hop_exchange.defvjp(_ex_fwd, _ex_bwd)
 def two_hop_return(y: jax.Array, route: TwoHopRoute, axis: str, R: int, M_in: int) -> jax.Array:
     """The transpose of :func:`two_hop_exchange`: rows ``y [M_out, ...]`` at their destinations go back to
     where they came from → ``[M_in, ...]`` in each source's send order (the return trip of a MoE)."""
-    return _backward(y, route, axis, R, M_in)
+    return two_hop_backward(y, route, axis, R, M_in)
 
 
 def _ret_fwd(y, route, axis, R, M_in):
-    return _backward(y, route, axis, R, M_in), route
+    return two_hop_backward(y, route, axis, R, M_in), route
 
 
 def _ret_bwd(axis, R, M_in, route, ct):
-    return _forward(ct, route, axis, R), None
+    return two_hop_forward(ct, route, axis, R), None
 
 
 two_hop_return.defvjp(_ret_fwd, _ret_bwd)
