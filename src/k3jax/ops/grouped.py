@@ -379,16 +379,19 @@ class _Blocks:
         return box, tiles
 
     def weight_grad(self, a: tuple, b: tuple, parts: tuple, spec: str, out) -> tuple[jax.Array, ...]:
-        """Per-part expert weight gradients from block operands ``a, b`` (``spec`` → the weight's axes)."""
+        """Per-part expert weight gradients from block operands ``a, b`` (``spec`` → the weight's axes). The tiles'
+        gradients are scatter-added into the box's gradient of their part (in place): summing them into a
+        zero-filled ``[G, ...]`` first and adding that cost two more passes over the weights' size per weight."""
+        dw_tiles = _ein(a[1], b[1], spec, out) if a[1] is not None else None
         grads = []
-        tiles = None
-        if a[1] is not None:
-            dw = _ein(a[1], b[1], spec, out)
-            tiles = jnp.zeros((self.G, *dw.shape[1:]), dw.dtype).at[self.group].add(dw)
-        for g0, g1, _ in self._spans(parts):
-            d = _ein(a[0][g0:g1], b[0][g0:g1], spec, out) if a[0] is not None else None
-            if tiles is not None:
-                d = tiles[g0:g1] if d is None else d + tiles[g0:g1]
+        for g0, g1, w in self._spans(parts):
+            if a[0] is not None:
+                d = _ein(a[0][g0:g1], b[0][g0:g1], spec, out)
+            else:
+                d = jnp.zeros((g1 - g0, *dw_tiles.shape[1:]), dw_tiles.dtype)
+            if dw_tiles is not None:
+                inside = (self.group >= g0) & (self.group < g1)
+                d = d.at[jnp.where(inside, self.group - g0, g1 - g0)].add(dw_tiles, mode="drop")
             grads.append(d)
         return tuple(grads)
 
