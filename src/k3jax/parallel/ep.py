@@ -285,21 +285,31 @@ def _experts_forward(xs, sizes, fetch, w1, w3, w2, ex: _Experts, residuals: bool
     main, _, ffn = ex.branches(m, Pn, D, I)
     F0 = main[0][0]
 
-    def branch(M_in: int | None, more: bool):
-        def run(xs, sizes, fetch, w1, w3, w2):
+    def fetch_with(M_in: int | None):
+        def run(fetch, w1, w3, w2):
             fr, overflow = fetch_route(fetch[:, :F0], m, ex.R, ex.axis, M_in, ex.two_hop)
-            pre = fetch_forward((w1, w3, w2), fetch[:, :F0], fr, ex.axis, ex.R)
-            W = [(a, b.astype(a.dtype)) for a, b in zip((w1, w3, w2), pre)]      # home and fetched, not concatenated
-            y, res = grouped_ffn_forward(xs, sizes[:m + F0], *W, ex.act, ffn, residuals)
-            if more:
-                y_more, more_overflow = _past_F0(xs, sizes, fetch, w1, w3, w2, ex, F0)
-                y, overflow = y + y_more.astype(y.dtype), overflow + more_overflow
-            return (y, overflow, (*res, *pre)) if residuals else (y, overflow)
+            return fetch_forward((w1, w3, w2), fetch[:, :F0], fr, ex.axis, ex.R), overflow
         return run
 
+    # the first F0 slots' weights in the smallest layout that holds them (the planner's bound when a rank hosts
+    # more); the grouped FFN once, outside any branch
     index = _experts_index(fetch, ex, main, m)
-    branches = [branch(M, False) for _, M in main] + [branch(main[-1][1], True)]
-    return index, jax.lax.switch(index, branches, xs, sizes, fetch, w1, w3, w2)
+    pre, overflow = jax.lax.switch(index, [fetch_with(M) for _, M in main] + [fetch_with(main[-1][1])],
+                                   fetch, w1, w3, w2)
+    W = [(a, b.astype(a.dtype)) for a, b in zip((w1, w3, w2), pre)]      # home and fetched, not concatenated
+    y, res = grouped_ffn_forward(xs, sizes[:m + F0], *W, ex.act, ffn, residuals)
+    if F0 < m:                                                           # rare: the slots past F0
+        def none(xs, sizes, fetch, w1, w3, w2):
+            return jnp.zeros(y.shape, y.dtype), jnp.int32(0)
+
+        def more(xs, sizes, fetch, w1, w3, w2):
+            y_more, more_overflow = _past_F0(xs, sizes, fetch, w1, w3, w2, ex, F0)
+            return y_more.astype(y.dtype), more_overflow
+
+        y_more, more_overflow = jax.lax.switch((index == len(main)).astype(jnp.int32), [none, more],
+                                               xs, sizes, fetch, w1, w3, w2)
+        y, overflow = y + y_more, overflow + more_overflow
+    return index, (y, overflow, (*res, *pre)) if residuals else (y, overflow)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(6,))
@@ -327,24 +337,26 @@ def _experts_bwd(ex, saved, ct):
     m, (Pn, D), I = w1.shape[0], xs.shape, w1.shape[2]
     main, _, ffn = ex.branches(m, Pn, D, I)
     F0 = main[0][0]
+    ffn_index, a, b, *pre = res
+    W = [(w, p.astype(w.dtype)) for w, p in zip((w1, w3, w2), pre)]
+    dxs, *dws = grouped_ffn_backward(xs, sizes[:m + F0], *W, ex.act, ffn, (ffn_index, a, b), ct[0])
+    d_slots, d_home = tuple(d[1] for d in dws), tuple(d[0] for d in dws)
 
     def branch(M_in: int | None, more: bool):
-        def run(xs, sizes, fetch, w1, w3, w2, res, ct):
-            ffn_index, a, b, *pre = res
+        def run(xs, sizes, fetch, w1, w3, w2, d_slots, d_home, dxs, ct):
             fr, _ = fetch_route(fetch[:, :F0], m, ex.R, ex.axis, M_in, ex.two_hop)
-            W = [(w, p.astype(w.dtype)) for w, p in zip((w1, w3, w2), pre)]
-            dxs, *dws = grouped_ffn_backward(xs, sizes[:m + F0], *W, ex.act, ffn, (ffn_index, a, b), ct)
-            dws = fetch_transpose(tuple(d[1] for d in dws), tuple(d[0] for d in dws), fr, ex.axis, ex.R)
+            d_home = fetch_transpose(d_slots, d_home, fr, ex.axis, ex.R)
             if more:                          # rare: autodiff of the slots past F0, recomputing their forward
                 _, pull = jax.vjp(lambda x, *w: _past_F0(x, sizes, fetch, *w, ex, F0)[0], xs, w1, w3, w2)
                 dx_more, *dw_more = pull(ct.astype(jnp.promote_types(ct.dtype, jnp.float32)))
                 dxs = dxs + dx_more.astype(dxs.dtype)
-                dws = tuple(d + e.astype(d.dtype) for d, e in zip(dws, dw_more))
-            return (dxs, *dws)
+                d_home = tuple(d + e.astype(d.dtype) for d, e in zip(d_home, dw_more))
+            return dxs, d_home
         return run
 
     branches = [branch(M, False) for _, M in main] + [branch(main[-1][1], True)]
-    dxs, dw1, dw3, dw2 = jax.lax.switch(index, branches, xs, sizes, fetch, w1, w3, w2, res, ct[0])
+    dxs, (dw1, dw3, dw2) = jax.lax.switch(index, branches, xs, sizes, fetch, w1, w3, w2, d_slots, d_home, dxs,
+                                          ct[0])
     return dxs, None, None, dw1, dw3, dw2
 
 
