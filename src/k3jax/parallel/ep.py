@@ -47,7 +47,7 @@ from jax.sharding import PartitionSpec as P
 
 from k3jax.ops.grouped import ffn_layouts, grouped_ffn, grouped_ffn_backward, grouped_ffn_forward, layout_index
 from k3jax.parallel.ep_fetch import (fetch_forward, fetch_layout_index, fetch_layouts, fetch_route, fetch_transpose,
-                                    fetch_weights, fetch_weights_two_hop)
+                                    fetch_weights)
 from k3jax.parallel.exchange import inverse_map, rows_at, two_hop_exchange, two_hop_return, two_hop_route
 from k3jax.parallel.moonep import PairLayout, pair_counts, pair_layout, plan, rank_in_group, slots_from_alloc
 
@@ -270,10 +270,7 @@ def _past_F0(xs, sizes, fetch, w1, w3, w2, ex: _Experts, F0: int):
     """The redundant slots past the first F0 (rare: a rank hosting more): their own fetch (the planner's bound)
     and grouped FFN over the segment rows after the first m + F0 slots → ``(y [P, D], overflow)``."""
     m, Pn = w1.shape[0], xs.shape[0]
-    if ex.two_hop:
-        fw, overflow = fetch_weights_two_hop((w1, w3, w2), fetch[:, F0:], ex.axis, ex.R)
-    else:
-        fw, overflow = fetch_weights((w1, w3, w2), fetch[:, F0:], ex.axis, ex.R), jnp.int32(0)
+    fw, overflow = fetch_weights((w1, w3, w2), fetch[:, F0:], ex.axis, ex.R, two_hop=ex.two_hop)
     q = jnp.arange(Pn, dtype=jnp.int32)
     first = jnp.sum(sizes[:m + F0])                                       # their rows follow the first m + F0 slots
     y = grouped_ffn(rows_at(xs, jnp.where(q + first < Pn, q + first, -1)), sizes[m + F0:], *fw, ex.act,

@@ -2,8 +2,10 @@
 expert ids, −1 = empty) filled with their experts' weights from the home ranks, and the gradients of those copies
 sent back home (the fetch's transpose).
 
-Two implementations: :func:`fetch_weights_two_hop` (the CPU exchanges' default: a two-hop exchange of only the
-rows a home sends, ≈ 2·F rows per rank) and :func:`fetch_weights` (one ``all_gather`` of every home's experts).
+Two routes (:func:`fetch_route`): a two-hop exchange of only the rows a home sends (the CPU exchanges' default,
+≈ 2·F rows per rank) or one ``all_gather`` of every home's experts. :func:`fetch_forward` and
+:func:`fetch_transpose` move the weights and their gradients (the transpose adds into given home gradients);
+:func:`fetch_weights` is the two as one differentiable function.
 :func:`fetch_layouts` lists the static ``(slots, rows a home may send)`` shapes MoonEP compiles its step for and
 :func:`fetch_layout_index` picks the one a plan needs.
 """
@@ -17,72 +19,34 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from k3jax.parallel.exchange import (TwoHopRoute, two_hop_backward, two_hop_exchange, two_hop_forward,
-                                    two_hop_route)
+from k3jax.parallel.exchange import TwoHopRoute, two_hop_backward, two_hop_forward, two_hop_route
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _fetch_one(w: jax.Array, fetch: jax.Array, axis: str) -> jax.Array:
-    """This rank's redundant slots ``[F, ...]`` of the expert weights ``w [m, ...]`` (its home experts):
-    ``fetch [R, F]`` global expert ids (−1 = empty slot, zero weights), read from one ``all_gather`` of every
-    rank's home weights. Backward: the slots' cotangents are all-gathered and each home rank adds those of its
-    own experts (an expert may be fetched by several ranks) — no reduce-scatter of a mostly-zero [E, ...]."""
-    mine = fetch[jax.lax.axis_index(axis)]
-    full = jax.lax.all_gather(w, axis, tiled=True)                        # [E, ...]
-    return jnp.take(full, jnp.where(mine >= 0, mine, full.shape[0]), axis=0, mode="fill", fill_value=0)
+def fetch_weights(ws: tuple[jax.Array, ...], fetch: jax.Array, axis: str, R: int, M_in: int | None = None,
+                  two_hop: bool = True) -> tuple[tuple[jax.Array, ...], jax.Array]:
+    """Each rank's redundant slots ``fetch [R, F]`` (global expert ids, −1 = empty: zero weights) filled from the
+    home experts ``ws`` (``[m, ...]`` each) along :func:`fetch_route`, differentiably: the transpose
+    (:func:`fetch_transpose`) scatter-adds the slots' gradients into fresh zeros per weight — callers that hold
+    the home gradients add into those instead. Returns ``(fetched weights [F, ...] each, overflow)``."""
+    fr, overflow = fetch_route(fetch, ws[0].shape[0], R, axis, M_in, two_hop)
+    return _fetch_differentiable(tuple(ws), fetch, fr, axis, R), overflow
 
 
-def _fetch_one_fwd(w, fetch, axis):
-    return _fetch_one(w, fetch, axis), (fetch, jnp.zeros((w.shape[0], 0), w.dtype))   # keeps w's m and dtype
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _fetch_differentiable(ws, fetch, fr, axis, R):
+    return fetch_forward(ws, fetch, fr, axis, R)
 
 
-def _fetch_one_bwd(axis, res, ct):
-    fetch, shape_of_w = res
-    m = shape_of_w.shape[0]
-    flat = fetch.reshape(-1)
-    home = (flat >= 0) & (flat // m == jax.lax.axis_index(axis))
-    ct_all = jax.lax.all_gather(ct, axis, tiled=True)                     # [R·m, ...] every rank's slots
-    dw = jnp.zeros((m + 1, *ct.shape[1:]), ct.dtype).at[jnp.where(home, flat % m, m)].add(ct_all)
-    return dw[:m].astype(shape_of_w.dtype), None
+def _fetch_differentiable_fwd(ws, fetch, fr, axis, R):
+    return fetch_forward(ws, fetch, fr, axis, R), (ws, fr)
 
 
-_fetch_one.defvjp(_fetch_one_fwd, _fetch_one_bwd)
+def _fetch_differentiable_bwd(axis, R, res, ct):
+    ws, fr = res
+    return fetch_transpose(tuple(ct), tuple(jnp.zeros_like(w) for w in ws), fr, axis, R), None, None
 
 
-def fetch_weights(ws: tuple[jax.Array, ...], fetch: jax.Array, axis: str, R: int) -> tuple[jax.Array, ...]:
-    """Bring each rank's redundant experts (``fetch [R, m]``, −1 = none) from their home ranks (see
-    :func:`_fetch_one`; on CPU an ``all_gather`` is cheaper than an ``all_to_all`` of an [R, m] box that is
-    mostly zeros, and its transpose needs no reduction over ranks)."""
-    del R
-    if len({w.dtype for w in ws}) > 1:
-        return tuple(_fetch_one(w, fetch, axis) for w in ws)
-    m = ws[0].shape[0]
-    flat = _fetch_one(jnp.concatenate([w.reshape(m, -1) for w in ws], axis=1), fetch, axis)   # one collective
-    cuts = [0]
-    for w in ws:
-        cuts.append(cuts[-1] + math.prod(w.shape[1:]))
-    return tuple(flat[:, a:b].reshape(-1, *w.shape[1:]) for w, a, b in zip(ws, cuts[:-1], cuts[1:]))
-
-
-def fetch_weights_two_hop(ws: tuple[jax.Array, ...], fetch: jax.Array, axis: str, R: int,
-                           M_in: int | None = None) -> tuple[tuple[jax.Array, ...], jax.Array]:
-    """:func:`fetch_weights` as a two-hop exchange (:mod:`k3jax.parallel.exchange`): home o sends the rows
-    ``(u, j)`` with ``fetch[u, j]`` one of its experts, in (u, j) order — at most m + R − 2 of them, since the
-    planner's fills from one donor cut its home experts in one pass and only a cut expert goes to two receivers
-    (and at most (R−1)·F for F slots per rank). Each receiver's slots all come from the one donor that filled
-    it, so hop 2 needs ⌈F/R⌉ rows per pair, and its fetched experts (a prefix of ``fetch[u]``, increasing id, so
-    by home then slot) arrive in slot order. Moves ≈ 2·F rows per rank where the ``all_gather`` moves E.
-    ``fetch [R, F]``; ``M_in``: the rows a home may send (default the bound above; a smaller one that
-    :func:`fetch_sends` shows to hold shrinks hop 1 to ⌈M_in/R⌉ rows per pair). Differentiable (the transpose
-    scatter-adds the slots' gradients into fresh zeros; :func:`fetch_transpose` adds them to a given gradient
-    instead). Returns ``(fetched weights [F, ...] each, overflow)``."""
-    fr, overflow = fetch_route(fetch, ws[0].shape[0], R, axis, M_in)
-    out: list[jax.Array] = [None] * len(ws)   # type: ignore[list-item]
-    for g in _dtype_groups(ws):                                          # one exchange per dtype
-        got = two_hop_exchange(_send_rows([ws[i] for i in g], fr.src), fr.route, axis, R)   # [F, ·] slot order
-        for i, v in zip(g, _split(got, [ws[i] for i in g], fetch.shape[1])):
-            out[i] = v
-    return tuple(out), overflow
+_fetch_differentiable.defvjp(_fetch_differentiable_fwd, _fetch_differentiable_bwd)
 
 
 class FetchRoute(NamedTuple):
@@ -95,9 +59,18 @@ class FetchRoute(NamedTuple):
 
 def fetch_route(fetch: jax.Array, m: int, R: int, axis: str, M_in: int | None = None,
                 two_hop: bool = True) -> tuple[FetchRoute, jax.Array]:
-    """This rank's :class:`FetchRoute` for the redundant slots ``fetch [R, F]`` (see
-    :func:`fetch_weights_two_hop` for ``M_in``) and the rows the two-hop route could not carry (0 when the bounds
-    hold)."""
+    """This rank's :class:`FetchRoute` for the redundant slots ``fetch [R, F]`` and the rows the two-hop route could
+    not carry (0 when the bounds hold).
+
+    Two-hop (the CPU exchanges' default; :mod:`k3jax.parallel.exchange`): home o sends the rows ``(u, j)`` with
+    ``fetch[u, j]`` one of its experts, in (u, j) order — at most m + R − 2 of them, since the planner's fills from
+    one donor cut its home experts in one pass and only a cut expert goes to two receivers (and at most (R−1)·F
+    for F slots per rank). Each receiver's slots all come from the one donor that filled it, so hop 2 needs ⌈F/R⌉
+    rows per pair, and its fetched experts (a prefix of ``fetch[u]``, increasing id, so by home then slot) arrive
+    in slot order. Moves ≈ 2·F rows per rank where the ``all_gather`` moves E. ``M_in``: the rows a home may send
+    (default the bound above; a smaller one that :func:`fetch_sends` shows to hold shrinks hop 1 to ⌈M_in/R⌉ rows
+    per pair). ``two_hop`` False: one ``all_gather`` of every home's experts (its transpose all-gathers the slots'
+    gradients and each home adds those of its own experts — no reduce-scatter of a mostly-zero [E, ...])."""
     F = fetch.shape[1]
     r = jax.lax.axis_index(axis)
     flat = fetch.reshape(-1)
