@@ -11,7 +11,7 @@ from k3jax import K3Config
 from k3jax.nn.layers import KeyGen
 from k3jax.nn.moe import MoE, activation
 from k3jax.ops.attnres import attnres_mix
-from k3jax.ops.grouped import (GROUPED_STRATEGIES, choose_tile, grouped_matmul, moe_grouped, moe_per_token,
+from k3jax.ops.grouped import (GROUPED_STRATEGIES, argsort_ids, compact_index, choose_tile, grouped_matmul, moe_grouped, moe_per_token,
                                padded_caps, resolve_strategy, tile_count)
 from k3jax.ops.routing import router_topk
 from k3jax.ops.situ import situ_glu, situ_glu_reference
@@ -121,6 +121,33 @@ def test_dropless_grouped_matches_per_token(rng, mode, strategy):
     for name, g, g_ref in zip(("x", "weights", "w1", "w3", "w2"), grads(x, idx, w, w1, w3, w2),
                               grads_ref(x, idx, w, w1, w3, w2)):
         assert float(jnp.max(jnp.abs(g - g_ref))) <= 1e-5 * float(jnp.max(jnp.abs(g_ref))), name
+
+
+@settings(max_examples=15, deadline=None)
+@given(P=st.integers(1, 300), n=st.integers(1, 40), seed=st.integers(0, 2**16))
+def test_argsort_ids_and_compact_index_equal_numpy(P, n, seed):
+    """The sort-free / single-key helpers against numpy's stable argsort (many ties: n ids over P entries)."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, n, P)
+    np.testing.assert_array_equal(np.asarray(_argsort_ids(jnp.asarray(ids, jnp.int32), n)),
+                                  np.argsort(ids, kind="stable"))
+    mask = rng.random((3, P)) < rng.random()
+    k = int(rng.integers(1, P + 1))
+    want = np.full((3, k), P)
+    for b in range(3):
+        hits = np.flatnonzero(mask[b])[:k]
+        want[b, :len(hits)] = hits
+    np.testing.assert_array_equal(np.asarray(_compact_index(jnp.asarray(mask), k)), want)
+    np.testing.assert_array_equal(np.asarray(_compact_index(jnp.asarray(mask[0]), k)), want[0])
+
+
+_argsort_ids = jax.jit(argsort_ids, static_argnums=1)
+_compact_index = jax.jit(compact_index, static_argnums=1)
+
+
+def test_argsort_ids_falls_back_past_int32():
+    ids = jnp.asarray([3, 1, 3, 0], jnp.int32)
+    np.testing.assert_array_equal(np.asarray(argsort_ids(ids, 2 ** 30)), [3, 1, 0, 2])
 
 
 @pytest.mark.parametrize("strategy,tile", [("tiles", 8), ("tiles", 16), ("tiles", None), ("padded", None)])

@@ -59,7 +59,7 @@ def moe_grouped(x: jax.Array, idx: jax.Array, weights: jax.Array, w_gate: jax.Ar
     N, k = idx.shape
     E = w_gate.shape[0]
     flat = idx.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
+    order = argsort_ids(flat, E)
     tok = order // k                                                       # source token of each sorted pair
     xs = jnp.take(x, tok, axis=0)                                          # [N·k, D]
     sizes = jnp.zeros((E,), jnp.int32).at[flat].add(1)
@@ -175,6 +175,35 @@ def choose_tile(M: int, G: int, D: int, I: int) -> int:
 def tile_count(M: int, G: int, t: int) -> int:
     """The static bound on tiles of ``t`` rows for ``M`` rows in ``G`` groups, each padded to whole tiles."""
     return max(1, (M + G * (t - 1)) // t)
+
+
+def argsort_ids(ids: jax.Array, n_ids: int) -> jax.Array:
+    """``jnp.argsort(ids, stable=True)`` for ints ``ids [P]`` in ``[0, n_ids)``, as one sort of the single key
+    ``ids·P + position`` (unique, so the order is the stable one). XLA:CPU sorts one operand under a plain
+    comparison on a fast path, while an argsort (key + index payload) calls the compiled comparator for every
+    comparison: 1.30 vs 0.35 ms for P = 2048 on each of 8 host devices (2-core CPU). Falls back to the argsort
+    when ``n_ids·P`` does not fit in int32."""
+    P_ = ids.shape[0]
+    if n_ids * P_ >= 2 ** 31:
+        return jnp.argsort(ids, stable=True).astype(jnp.int32)
+    key = ids.astype(jnp.int32) * P_ + jnp.arange(P_, dtype=jnp.int32)
+    return jnp.sort(key) % P_
+
+
+def compact_index(mask: jax.Array, n: int) -> jax.Array:
+    """The positions of the first ``n`` True entries of ``mask [L]`` or ``[B, L]`` along its last axis, in order,
+    padded with ``L`` (= ``argsort(~mask, stable=True)[..., :n]`` where the mask has ≥ n True entries): a running count
+    and a scatter, no sort."""
+    L = mask.shape[-1]
+    pos = jnp.cumsum(mask.astype(jnp.int32), axis=-1) - 1
+    tgt = jnp.where(mask & (pos < n), pos, n)
+    lead = mask.shape[:-1]
+    out = jnp.full((*lead, n + 1), L, jnp.int32)
+    src = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), mask.shape)
+    if not lead:
+        return out.at[tgt].set(src)[:n]
+    rows = jnp.broadcast_to(jnp.arange(mask.shape[0], dtype=jnp.int32)[:, None], mask.shape)
+    return out.at[rows, tgt].set(src)[:, :n]
 
 
 def count_le(ends: jax.Array, n: int) -> jax.Array:

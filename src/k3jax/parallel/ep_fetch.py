@@ -19,6 +19,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from k3jax.ops.grouped import compact_index
 from k3jax.parallel.exchange import TwoHopRoute, two_hop_backward, two_hop_forward, two_hop_route
 
 
@@ -79,9 +80,9 @@ def fetch_route(fetch: jax.Array, m: int, R: int, axis: str, M_in: int | None = 
         return FetchRoute(jnp.where(home == r, flat % m, m).astype(jnp.int32), None), jnp.int32(0)
     T = fetch_sends(fetch, m, R, home)                                   # [home, receiver]
     M_in = min(m + R - 1, R * F) if M_in is None else M_in
-    mine = jnp.argsort(jnp.where(home == r, 0, 1), stable=True)[:M_in]   # my entries in (u, j) order
+    mine = compact_index(home == r, M_in)                                # my entries in (u, j) order
     n_mine = T[r].sum()
-    src = jnp.where(jnp.arange(M_in) < n_mine, flat[mine] % m, m).astype(jnp.int32)
+    src = jnp.where(mine < flat.shape[0], flat[jnp.minimum(mine, flat.shape[0] - 1)] % m, m).astype(jnp.int32)
     route = two_hop_route(T, r, M_in, F, c2=-(-F // R))
     return FetchRoute(src, route), route.overflow + jnp.maximum(n_mine - M_in, 0).astype(jnp.int32)
 

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from k3jax.ops.grouped import count_le
+from k3jax.ops.grouped import argsort_ids, compact_index, count_le
 
 
 class PlanError(ValueError):
@@ -103,6 +103,7 @@ def plan(counts: jax.Array) -> Plan:
     SK = counts[0].sum()
     alloc = jnp.zeros((R, E), jnp.int32).at[jnp.arange(E) // m, jnp.arange(E)].set(L)
     big = jnp.iinfo(jnp.int32).max
+    j = jnp.arange(m, dtype=jnp.int32)
 
     def fill(i, carry):
         alloc, load, filled, fills, n = carry
@@ -115,10 +116,11 @@ def plan(counts: jax.Array) -> Plan:
         fit = excess >= D
         o = jnp.where(fit.any(), jnp.argmin(jnp.where(fit, excess, big)), jnp.argmax(excess))
         rem = jax.lax.dynamic_slice_in_dim(alloc[o], o * m, m)
-        order = jnp.argsort(-rem, stable=True)
-        r_sorted = rem[order]
-        take_sorted = jnp.clip(D - (jnp.cumsum(r_sorted) - r_sorted), 0, r_sorted)
-        take = jnp.zeros((m,), jnp.int32).at[order].set(take_sorted) * active
+        # the pairs of the experts ahead of each in the stable largest-first order (a [m, m] comparison; no sort,
+        # which XLA:CPU runs with a comparator call per comparison)
+        ahead = (rem[None, :] > rem[:, None]) | ((rem[None, :] == rem[:, None]) & (j[None, :] < j[:, None]))
+        before = jnp.sum(jnp.where(ahead, rem[None, :], 0), axis=1)
+        take = jnp.clip(D - before, 0, rem) * active
         cols = o * m + jnp.arange(m)
         alloc = alloc.at[o, cols].add(-take).at[u, cols].add(take)
         Da = D * active
@@ -144,10 +146,8 @@ def slots_from_alloc(alloc: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]
     e = jnp.arange(E)[None, :]
     is_home = (e // m) == d
     foreign = (alloc > 0) & ~is_home
-    # stable order: foreign experts first (by id), then the rest; keep the first m
-    key = jnp.where(foreign, e, E + e)
-    first = jnp.argsort(key, axis=1, stable=True)[:, :m]
-    fetch = jnp.where(jnp.take_along_axis(foreign, first, 1), first, -1).astype(jnp.int32)
+    first = compact_index(foreign, m)                                     # the first m foreign experts by id
+    fetch = jnp.where(first < E, first, -1).astype(jnp.int32)
     home = (jnp.arange(R)[:, None] * m + jnp.arange(m)[None, :]).astype(jnp.int32)
     experts = jnp.concatenate([home, fetch], axis=1)
     sizes = jnp.where(experts >= 0, jnp.take_along_axis(alloc, jnp.maximum(experts, 0), 1), 0)
@@ -158,7 +158,7 @@ def rank_in_group(idx: jax.Array, n_groups: int) -> jax.Array:
     """For ``idx [P]`` ints in ``[0, n_groups)``: how many earlier entries carry the same value (a stable sort and
     each entry's distance from its run's start — O(P log P), no ``[P, n_groups]`` one-hot cumsum)."""
     P_ = idx.shape[0]
-    order = jnp.argsort(idx, stable=True)
+    order = argsort_ids(idx, n_groups)
     srt = idx[order]
     counts = jnp.zeros((n_groups,), jnp.int32).at[idx].add(1)
     start = jnp.cumsum(counts) - counts
