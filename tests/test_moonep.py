@@ -124,6 +124,15 @@ def test_planner_on_arbitrary_count_matrices(R, m, total, seed):
     np.testing.assert_array_equal(np.asarray(plan_jit(jnp.asarray(counts)).alloc), alloc)
 
 
+def test_planner_with_loads_past_the_single_key_sort():
+    """Expert loads too large for the planner's single-key sort ((max − load)·m + j past int32) take its argsort
+    fallback: the same plan as the reference."""
+    counts = np.array([[6 * 10**8, 10**8, 0, 0, 0, 0, 0, 0], [3 * 10**8, 10**8, 0, 10**8, 10**8, 0, 10**8, 0]])
+    p = plan_numpy(counts)
+    assert int(p.n_fills) == 1 and counts[:, 0].sum() >= (2**31 - 1) // 4 - 1
+    np.testing.assert_array_equal(np.asarray(plan_jit(jnp.asarray(counts, jnp.int32)).alloc), p.alloc)
+
+
 def test_bad_counts_raise():
     with pytest.raises(PlanError, match="divide evenly"):
         plan_numpy(np.ones((3, 8), int))

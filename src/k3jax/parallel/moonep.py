@@ -116,11 +116,15 @@ def plan(counts: jax.Array) -> Plan:
         fit = excess >= D
         o = jnp.where(fit.any(), jnp.argmin(jnp.where(fit, excess, big)), jnp.argmax(excess))
         rem = jax.lax.dynamic_slice_in_dim(alloc[o], o * m, m)
-        # the pairs of the experts ahead of each in the stable largest-first order (a [m, m] comparison; no sort,
-        # which XLA:CPU runs with a comparator call per comparison)
-        ahead = (rem[None, :] > rem[:, None]) | ((rem[None, :] == rem[:, None]) & (j[None, :] < j[:, None]))
-        before = jnp.sum(jnp.where(ahead, rem[None, :], 0), axis=1)
-        take = jnp.clip(D - before, 0, rem) * active
+        # largest first, ties by id: one sort of the single key (max − rem)·m + j where it fits in int32 (XLA:CPU
+        # runs an argsort's key + index payload with a comparator call per comparison; jitted planner at R=64
+        # 0.25 -> 0.22 ms, R=8 0.13 -> 0.07 ms)
+        top = jnp.max(rem)
+        order = jax.lax.cond(top < (2 ** 31 - 1) // m - 1, lambda: jnp.sort((top - rem) * m + j) % m,
+                             lambda: jnp.argsort(-rem, stable=True).astype(jnp.int32))
+        r_sorted = rem[order]
+        take_sorted = jnp.clip(D - (jnp.cumsum(r_sorted) - r_sorted), 0, r_sorted)
+        take = jnp.zeros((m,), jnp.int32).at[order].set(take_sorted) * active
         cols = o * m + jnp.arange(m)
         alloc = alloc.at[o, cols].add(-take).at[u, cols].add(take)
         Da = D * active
