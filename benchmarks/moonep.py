@@ -19,9 +19,9 @@ what the plan and the grouped matmul use (= a ragged exchange's buffer on GPU/TP
 compiled first, then timed in interleaved rounds (each median under the same load). ``chunk_rows``: the one-hop
 chunk that ran (0: the two-hop fallback). ``ffn_layouts``: the grouped FFN's layouts the ranks ran over the home +
 ⌈m/8⌉ redundant slots (:func:`k3jax.ops.grouped.padded_layouts`: ``box C`` — C rows per slot; ``box C + n×t`` — the
-rows past C in n tiles of t rows; ``tiles n×t``); ``box_rows``: rank 0's box rows (0: tiles only). ``fetch_slots`` / ``fetch_rows``: the redundant-expert slots per rank and the weight rows a home may send
-that the step ran with (``k3jax.parallel.ep_fetch.fetch_layouts``: ⌈m/8⌉ slots with ⌈m/8⌉ or the planner's bound of rows
-in the common step; m slots when some rank hosted more). ``moonep_over_capacity``: MoonEP's step over the
+rows past C in n tiles of t rows; ``tiles n×t``); ``box_rows``: rank 0's box rows (0: tiles only). ``fetch_slots`` / ``fetch_rows``: the redundant-expert slots per rank and the expert weight rows a rank
+sent in the fetch that the step ran with (``k3jax.parallel.ep_fetch.fetch_layouts``: ⌈m/8⌉ slots in a one-hop
+``[R, c]`` box in the common step; m slots along the two-hop route when some rank hosted more). ``moonep_over_capacity``: MoonEP's step over the
 capacity-1.25 step; ``overflow`` (rows an exchange chunk could not carry) must be 0.
 """
 

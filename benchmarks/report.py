@@ -238,15 +238,16 @@ def t_moonep(r: dict) -> str:
            f"D={s.get('D')}, I={s.get('I')}, exchange {s.get('exchange')}; step = MoE fwd+bwd, ms (median of "
            f"rounds interleaved over the methods); chunk rows: the one-hop exchange's rows per (source, "
            f"destination) pair that ran (1.25×, 1.5× or 2× S·K/R; 0: the two-hop fallback); fetch slots/rank: "
-           f"the redundant-expert slots the step ran with (⌈m/8⌉, or m when a rank hosted more); fetch rows/home: the "
-           f"expert weight rows one home could send in that layout (⌈m/8⌉, or the planner's bound "
-           f"min(m + R − 1, R·slots)); FFN layout: the grouped FFN's layouts the ranks ran (box C: C rows per expert "
+           f"the redundant-expert slots the step ran with (⌈m/8⌉, or m when a rank hosted more); fetch rows/rank: the "
+           f"expert weight rows a rank sent in that layout (one-hop: the [R, c] box, c the smallest rung that held "
+           f"every rank's slots; two-hop, m slots: the planner's bound min(m + R − 1, R·m); records before the "
+           f"one-hop fetch: rows one home could send along the two-hop route); FFN layout: the grouped FFN's layouts the ranks ran (box C: C rows per expert "
            f"slot, the smallest of 1.25×, 1.5×, 2× the mean slot that held the largest; box C + n×t: each slot's "
            f"rows past C in n tiles of t rows; tiles n×t: every slot in tiles; box 0: the tiles, in records "
            f"before the box + tiles layout).\n\n"
            + table(["routing", "MoonEP ms", "chunk rows", "MoonEP ms (two-hop exchange)", "MoonEP ms (gather exchange)",
                     "MoonEP ms (dense exchange)", "MoonEP rows/rank", "fetched",
-                    "fetch slots/rank", "fetch rows/home", "FFN layout", "dropless ms", "dropless rows/rank", "speedup vs dropless", "buffer dropless/MoonEP",
+                    "fetch slots/rank", "fetch rows/rank", "FFN layout", "dropless ms", "dropless rows/rank", "speedup vs dropless", "buffer dropless/MoonEP",
                     "capacity 1.25 ms", "capacity drops", "MoonEP / capacity"], rows))
     plans = r.get("planner_R64", [])
     if plans:

@@ -38,24 +38,27 @@ def test_expert_parallel_moe_equals_single_device(ep_results):
             assert max(c["fills"]) <= R - 1
             if c["routing"] == "balanced":
                 assert max(c["fetched"]) == 0 and max(c["fills"]) == 0        # nothing to move, nothing fetched
-    # MoonEP ran each of its compiled fetch layouts (k3jax.parallel.ep_fetch.fetch_layouts: ⌈m/8⌉ = 1 slot with one
-    # weight row or the planner's bound of rows per home, and m slots; m = 32/R experts per rank), each checked
-    # against the single device above: on data=2,expert=4 (m = 8) the concentrated routings need more than one
-    # redundant expert on some rank, the others one slot; one_fill's single redundant expert (one row from one
-    # home) runs the smallest layout with a real fetch
+    # MoonEP ran each of its compiled fetch layouts (k3jax.parallel.ep_fetch.fetch_layouts: ⌈m/8⌉ = 1 slot in a
+    # one-hop box of one expert row per pair — R rows a rank — and m slots along the two-hop route with the
+    # planner's bound of rows per home; m = 32/R experts per rank), each checked against the single device above:
+    # on data=2,expert=4 (m = 8) the concentrated routings need more than one redundant expert on some rank, the
+    # others one slot; one_fill's single redundant expert (one row from one home) runs the one-hop layout
     from k3jax.parallel.ep_fetch import fetch_layouts
+
+    def shapes(m, R):
+        return {(L.slots, L.rows(R)) for L in fetch_layouts(m, R, "one_hop")}
 
     layout = {(c["mesh"], c["routing"]): (c["fetch_slots"], c["fetch_rows"]) for c in cases if c["method"] == "moonep"}
     for (mesh, routing), (s, rows) in layout.items():     # per rank; the ranks of one expert group agree
         R = 8 if mesh == "expert=8" else 4
         for g in range(0, 8, R):
             assert len(set(zip(s[g:g + R], rows[g:g + R]))) == 1, (mesh, routing, s, rows)
-        assert set(zip(s, rows)) <= set(fetch_layouts(32 // R, R, two_hop=True)), (mesh, routing, s, rows)
+        assert set(zip(s, rows)) <= shapes(32 // R, R), (mesh, routing, s, rows)
     ran = {pair for (mesh, _), (s, rows) in layout.items() if mesh == "data=2,expert=4" for pair in zip(s, rows)}
-    assert ran == set(fetch_layouts(8, 4, two_hop=True)) == {(1, 1), (1, 4), (8, 11)}, layout
-    assert layout[("data=2,expert=4", "one_fill")] == ([1] * 8, [1] * 8)
+    assert ran == shapes(8, 4) == {(1, 4), (8, 11)}, layout
+    assert layout[("data=2,expert=4", "one_fill")] == ([1] * 8, [4] * 8)
     one_fill = [c for c in cases if c["routing"] == "one_fill" and c["method"] == "moonep" and c["mesh"] == "expert=8"]
-    assert one_fill[0]["fetched"] == [1] * 8 and layout[("expert=8", "one_fill")] == ([1] * 8, [1] * 8)
+    assert one_fill[0]["fetched"] == [1] * 8 and layout[("expert=8", "one_fill")] == ([1] * 8, [8] * 8)
     assert layout[("data=2,expert=4", "balanced")][0][0] == 1, layout
     # the experts (home slots and the first F0 redundant ones) ran in the grouped FFN's first padded layout
     # (k3jax.ops.grouped.padded_layouts: boxes, box + tiles, tiles) that holds the rank's slot sizes, computed here

@@ -20,8 +20,10 @@ The pair exchange has five implementations with the same semantics (:data:`EXCHA
 default: the plan fixes every (source, destination) count ``T`` before the exchange and every rank knows it, so
 all ranks send one static ``all_to_all`` of an ``[R, c]`` box with c the smallest of :func:`one_hop_chunks` —
 1.25×, 1.5×, 2× the mean S·K/R — that holds ``max T``, else the two-hop exchange); ``"two_hop"``
-(:mod:`k3jax.parallel.exchange`, two static ``all_to_all`` through an intermediate rank, ≈ 2·S·K rows per rank;
-MoonEP's weight fetch goes this way with either CPU exchange, ≈ 2·E/R expert rows instead of all E); and two that
+(:mod:`k3jax.parallel.exchange`, two static ``all_to_all`` through an intermediate rank, ≈ 2·S·K rows per rank);
+with either CPU exchange MoonEP's weight fetch is one ``all_to_all`` of an ``[R, c]`` box of expert rows (a rank's
+redundant experts all come from the one donor that filled it; c ≤ ⌈E/8R⌉) and its transpose one ``all_gather`` of
+the slots' gradients, the rare slots past those two-hop (:mod:`k3jax.parallel.ep_fetch`); and two that
 transiently receive the worst-case R·S·K rows (the plan and the grouped matmul still see exactly S·K):
 ``"gather"`` (one ``all_gather`` of the S·K send rows, then each rank gathers the rows the all-gathered offsets
 say are its own; the weight fetch an ``all_gather`` of every home's experts) and ``"dense"`` (``all_to_all`` of an
@@ -31,7 +33,8 @@ Stats: ``overflow`` counts rows a two-hop exchange could not carry (0 whenever i
 ``tiles`` the grouped FFN's layout (:class:`~k3jax.ops.grouped.Layout`: rows per slot in the padded box, 0 = no
 box; rows per overflow tile and the static tile count, 0 = no tiles); ``fetch_slots`` the redundant-expert slots
 per rank MoonEP's step ran with (:func:`~k3jax.parallel.ep_fetch.fetch_menu`: ⌈m/8⌉, or the planner's bound m when
-the branch for the slots past them ran). The redundant-weight fetch is :mod:`k3jax.parallel.ep_fetch`.
+the branch for the slots past them ran) and ``fetch_rows`` the expert rows a rank sent in the fetch
+(:meth:`~k3jax.parallel.ep_fetch.FetchLayout.rows`). The redundant-weight fetch is :mod:`k3jax.parallel.ep_fetch`.
 """
 
 from __future__ import annotations
@@ -46,8 +49,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from k3jax.ops.grouped import ffn_layouts, grouped_ffn, grouped_ffn_backward, grouped_ffn_forward, layout_index
-from k3jax.parallel.ep_fetch import (fetch_forward, fetch_layout_index, fetch_layouts, fetch_route, fetch_transpose,
-                                    fetch_weights)
+from k3jax.parallel.ep_fetch import (FetchLayout, fetch_forward, fetch_layout_index, fetch_layouts, fetch_route,
+                                    fetch_transpose, fetch_weights)
 from k3jax.parallel.exchange import inverse_map, rows_at, two_hop_exchange, two_hop_return, two_hop_route
 from k3jax.parallel.moonep import PairLayout, pair_counts, pair_layout, plan, rank_in_group, slots_from_alloc
 
@@ -248,20 +251,21 @@ class _Experts:
     act: Act
     axis: str
     R: int
-    two_hop: bool            # the redundant-weight fetch: two-hop exchange (CPU exchanges) or all_gather
+    route: str               # the redundant-weight fetch: "one_hop" (CPU exchanges) or "gather" (ep_fetch)
 
     def branches(self, m: int, M: int, D: int, I: int):
-        """``(fetch layouts (F0 slots, M_in rows) of the common step, the layout of the rare case of more slots
-        (the planner's bounds), the grouped FFN's layouts over the home + F0 slots)``."""
-        layouts = fetch_layouts(m, self.R, self.two_hop)
-        F0 = layouts[0][0]
-        return tuple(lt for lt in layouts if lt[0] == F0), layouts[-1], ffn_layouts("padded", M, m + F0, D, I)
+        """``(the fetch layouts of the common step (:class:`~k3jax.parallel.ep_fetch.FetchLayout`, F0 slots), the
+        layout of the rare case of more slots (the planner's bounds), the grouped FFN's layouts over the home + F0
+        slots)``."""
+        layouts = fetch_layouts(m, self.R, self.route)
+        F0 = layouts[0].slots
+        return tuple(lt for lt in layouts if lt.slots == F0), layouts[-1], ffn_layouts("padded", M, m + F0, D, I)
 
 
 def _experts_index(fetch: jax.Array, ex: _Experts, main: tuple, m: int) -> jax.Array:
     """The branch of :func:`_moonep_experts` every rank runs: the first of ``main`` that holds the first F0 slots'
     fetches, or ``len(main)`` when some rank hosts more than F0 redundant experts (the same on every rank)."""
-    F0 = main[0][0]
+    F0 = main[0].slots
     more = jnp.max(jnp.sum(fetch >= 0, axis=1)) > F0
     return jnp.where(more, len(main), fetch_layout_index(fetch[:, :F0], main, m, ex.R)).astype(jnp.int32)
 
@@ -270,7 +274,9 @@ def _past_F0(xs, sizes, fetch, w1, w3, w2, ex: _Experts, F0: int):
     """The redundant slots past the first F0 (rare: a rank hosting more): their own fetch (the planner's bound)
     and grouped FFN over the segment rows after the first m + F0 slots → ``(y [P, D], overflow)``."""
     m, Pn = w1.shape[0], xs.shape[0]
-    fw, overflow = fetch_weights((w1, w3, w2), fetch[:, F0:], ex.axis, ex.R, two_hop=ex.two_hop)
+    F = m - F0
+    layout = FetchLayout(F, send=min(m + ex.R - 1, ex.R * F)) if ex.route == "one_hop" else FetchLayout(F)
+    fw, overflow = fetch_weights((w1, w3, w2), fetch[:, F0:], ex.axis, ex.R, layout)
     q = jnp.arange(Pn, dtype=jnp.int32)
     first = jnp.sum(sizes[:m + F0])                                       # their rows follow the first m + F0 slots
     y = grouped_ffn(rows_at(xs, jnp.where(q + first < Pn, q + first, -1)), sizes[m + F0:], *fw, ex.act,
@@ -281,18 +287,18 @@ def _past_F0(xs, sizes, fetch, w1, w3, w2, ex: _Experts, F0: int):
 def _experts_forward(xs, sizes, fetch, w1, w3, w2, ex: _Experts, residuals: bool):
     m, (Pn, D), I = w1.shape[0], xs.shape, w1.shape[2]
     main, _, ffn = ex.branches(m, Pn, D, I)
-    F0 = main[0][0]
+    F0 = main[0].slots
 
-    def fetch_with(M_in: int | None):
+    def fetch_with(layout: FetchLayout):
         def run(fetch, w1, w3, w2):
-            fr, overflow = fetch_route(fetch[:, :F0], m, ex.R, ex.axis, M_in, ex.two_hop)
+            fr, overflow = fetch_route(fetch[:, :F0], m, ex.R, ex.axis, layout)
             return fetch_forward((w1, w3, w2), fetch[:, :F0], fr, ex.axis, ex.R), overflow
         return run
 
     # the first F0 slots' weights in the smallest layout that holds them (the planner's bound when a rank hosts
     # more); the grouped FFN once, outside any branch
     index = _experts_index(fetch, ex, main, m)
-    pre, overflow = jax.lax.switch(index, [fetch_with(M) for _, M in main] + [fetch_with(main[-1][1])],
+    pre, overflow = jax.lax.switch(index, [fetch_with(L) for L in main] + [fetch_with(main[-1])],
                                    fetch, w1, w3, w2)
     W = [(a, b.astype(a.dtype)) for a, b in zip((w1, w3, w2), pre)]      # home and fetched, not concatenated
     y, res = grouped_ffn_forward(xs, sizes[:m + F0], *W, ex.act, ffn, residuals)
@@ -335,15 +341,15 @@ def _experts_bwd(ex, saved, ct):
     xs, sizes, fetch, w1, w3, w2, index, res = saved
     m, (Pn, D), I = w1.shape[0], xs.shape, w1.shape[2]
     main, _, ffn = ex.branches(m, Pn, D, I)
-    F0 = main[0][0]
+    F0 = main[0].slots
     ffn_index, a, b, *pre = res
     W = [(w, p.astype(w.dtype)) for w, p in zip((w1, w3, w2), pre)]
     dxs, *dws = grouped_ffn_backward(xs, sizes[:m + F0], *W, ex.act, ffn, (ffn_index, a, b), ct[0])
     d_slots, d_home = tuple(d[1] for d in dws), tuple(d[0] for d in dws)
 
-    def branch(M_in: int | None, more: bool):
+    def branch(layout: FetchLayout, more: bool):
         def run(xs, sizes, fetch, w1, w3, w2, d_slots, d_home, dxs, ct):
-            fr, _ = fetch_route(fetch[:, :F0], m, ex.R, ex.axis, M_in, ex.two_hop)
+            fr, _ = fetch_route(fetch[:, :F0], m, ex.R, ex.axis, layout)
             d_home = fetch_transpose(d_slots, d_home, fr, ex.axis, ex.R)
             if more:                          # rare: autodiff of the slots past F0, recomputing their forward
                 _, pull = jax.vjp(lambda x, *w: _past_F0(x, sizes, fetch, *w, ex, F0)[0], xs, w1, w3, w2)
@@ -353,7 +359,7 @@ def _experts_bwd(ex, saved, ct):
             return dxs, d_home
         return run
 
-    branches = [branch(M, False) for _, M in main] + [branch(main[-1][1], True)]
+    branches = [branch(L, False) for L in main] + [branch(main[-1], True)]
     dxs, (dw1, dw3, dw2) = jax.lax.switch(index, branches, xs, sizes, fetch, w1, w3, w2, d_slots, d_home, dxs,
                                           ct[0])
     return dxs, None, None, dw1, dw3, dw2
@@ -381,11 +387,10 @@ def moonep_local(z, idx, w, w1, w3, w2, *, act: Act, axis: str, exchange: str = 
     zp = jnp.broadcast_to(z[:, None], (S, K, z.shape[-1])).reshape(Pn, -1)  # pair p = (token p // K, choice)
     xs = _route_rows(zp, *route, False)                                   # [Pn, D] by slot here
     _, _, fetch = slots_from_alloc(pl.alloc)
-    two_hop_fetch = exchange in ("one_hop", "two_hop")
-    ex = _Experts(act, axis, R, two_hop_fetch)
+    ex = _Experts(act, axis, R, "one_hop" if exchange in ("one_hop", "two_hop") else "gather")
     ys, overflow = _moonep_experts(xs, L.sizes, fetch, w1, w3, w2, ex)
     main, last, ffn = ex.branches(m, Pn, w1.shape[1], w1.shape[2])      # the layouts _moonep_experts chose among
-    F0 = main[0][0]
+    F0 = main[0].slots
     index = _experts_index(fetch, ex, main, m)
     if exchange in ("one_hop", "two_hop"):   # rows a two-hop exchange of the pairs could not carry
         two_hop = exchange == "two_hop" or chunk == len(chunks)
@@ -395,8 +400,8 @@ def moonep_local(z, idx, w, w1, w3, w2, *, act: Act, axis: str, exchange: str = 
     ffn_at = layout_index(L.sizes[:m + F0], ffn)                          # the layout grouped_ffn ran
     ffn_stat = lambda k: jnp.asarray([L_[k] for L_ in ffn], jnp.int32)[ffn_at]  # noqa: E731
     stats = {"fills": pl.n_fills, "fetched_experts": jnp.sum(fetch >= 0), "recv_rows": jnp.int32(Pn),
-             "fetch_slots": jnp.where(index == len(main), last[0], F0).astype(jnp.int32),
-             "fetch_rows": jnp.asarray([M or -1 for _, M in (*main, last)], jnp.int32)[index],
+             "fetch_slots": jnp.where(index == len(main), last.slots, F0).astype(jnp.int32),
+             "fetch_rows": jnp.asarray([L.rows(R) for L in (*main, last)], jnp.int32)[index],
              "box_rows": ffn_stat(0), "tile_rows": ffn_stat(1), "tiles": ffn_stat(2),
              "chunk_rows": jnp.asarray(list(chunks) + [0], jnp.int32)[chunk],
              "dropped": jnp.int32(0), "overflow": overflow}

@@ -2,12 +2,13 @@
 expert ids, −1 = empty) filled with their experts' weights from the home ranks, and the gradients of those copies
 sent back home (the fetch's transpose).
 
-Two routes (:func:`fetch_route`): a two-hop exchange of only the rows a home sends (the CPU exchanges' default,
-≈ 2·F rows per rank) or one ``all_gather`` of every home's experts. :func:`fetch_forward` and
-:func:`fetch_transpose` move the weights and their gradients (the transpose adds into given home gradients);
-:func:`fetch_weights` is the two as one differentiable function.
-:func:`fetch_layouts` lists the static ``(slots, rows a home may send)`` shapes MoonEP compiles its step for and
-:func:`fetch_layout_index` picks the one a plan needs.
+Three routes (:func:`fetch_route`, chosen by a :class:`FetchLayout`): one static ``all_to_all`` of an ``[R, c]``
+box of expert rows (the CPU exchanges' default for the first slots: a receiver's slots all come from the one donor
+that filled it, so it reads one row of the box), a two-hop exchange of only the rows a home sends (≈ 2·F rows per
+rank, any number of slots: the rare slots past the first ones) or one ``all_gather`` of every home's experts.
+:func:`fetch_forward` and :func:`fetch_transpose` move the weights and their gradients (the transpose adds into
+given home gradients); :func:`fetch_weights` is the two as one differentiable function. :func:`fetch_layouts`
+lists the static layouts MoonEP compiles its step for and :func:`fetch_layout_index` picks the one a plan needs.
 """
 
 from __future__ import annotations
@@ -23,13 +24,13 @@ from k3jax.ops.grouped import compact_index
 from k3jax.parallel.exchange import TwoHopRoute, two_hop_backward, two_hop_forward, two_hop_route
 
 
-def fetch_weights(ws: tuple[jax.Array, ...], fetch: jax.Array, axis: str, R: int, M_in: int | None = None,
-                  two_hop: bool = True) -> tuple[tuple[jax.Array, ...], jax.Array]:
+def fetch_weights(ws: tuple[jax.Array, ...], fetch: jax.Array, axis: str, R: int,
+                  layout: FetchLayout) -> tuple[tuple[jax.Array, ...], jax.Array]:
     """Each rank's redundant slots ``fetch [R, F]`` (global expert ids, −1 = empty: zero weights) filled from the
     home experts ``ws`` (``[m, ...]`` each) along :func:`fetch_route`, differentiably: the transpose
     (:func:`fetch_transpose`) scatter-adds the slots' gradients into fresh zeros per weight — callers that hold
     the home gradients add into those instead. Returns ``(fetched weights [F, ...] each, overflow)``."""
-    fr, overflow = fetch_route(fetch, ws[0].shape[0], R, axis, M_in, two_hop)
+    fr, overflow = fetch_route(fetch, ws[0].shape[0], R, axis, layout)
     return _fetch_differentiable(tuple(ws), fetch, fr, axis, R), overflow
 
 
@@ -50,36 +51,67 @@ def _fetch_differentiable_bwd(axis, R, res, ct):
 _fetch_differentiable.defvjp(_fetch_differentiable_fwd, _fetch_differentiable_bwd)
 
 
+class FetchLayout(NamedTuple):
+    """A static shape of the fetch: ``slots`` redundant slots per rank, moved by a one-hop ``all_to_all`` of
+    ``chunk`` expert rows per (home, receiver) pair, or else along the two-hop route with at most ``send`` rows
+    from one home, or else (both None) by an ``all_gather``."""
+    slots: int
+    chunk: int | None = None
+    send: int | None = None
+
+    def rows(self, R: int) -> int:
+        """Expert rows one rank sends in the fetch (its one-hop box, the two-hop rows; −1: the all_gather)."""
+        return R * self.chunk if self.chunk else (self.send or -1)
+
+
 class FetchRoute(NamedTuple):
     """One rank's side of a redundant-weight fetch. ``src [M]``: the home expert row behind each row this rank
-    sends (two-hop) or receives back in the transpose (``all_gather``), ``m`` = none — the scatter index of the
-    slots' gradients into this rank's home experts; ``route``: the two-hop maps (None: the ``all_gather`` fetch)."""
+    sends (one-hop box rows ``(receiver, j)``, two-hop send order) or receives back in the transpose
+    (``all_gather``), ``m`` = none — the scatter index of the slots' gradients into this rank's home experts;
+    ``route``: the two-hop maps; ``donor``: the one-hop box row this rank reads (the rank that filled its slots)."""
     src: jax.Array
-    route: TwoHopRoute | None
+    route: TwoHopRoute | None = None
+    donor: jax.Array | None = None
 
 
-def fetch_route(fetch: jax.Array, m: int, R: int, axis: str, M_in: int | None = None,
-                two_hop: bool = True) -> tuple[FetchRoute, jax.Array]:
-    """This rank's :class:`FetchRoute` for the redundant slots ``fetch [R, F]`` and the rows the two-hop route could
-    not carry (0 when the bounds hold).
+def fetch_route(fetch: jax.Array, m: int, R: int, axis: str, layout: FetchLayout) -> tuple[FetchRoute, jax.Array]:
+    """This rank's :class:`FetchRoute` for the redundant slots ``fetch [R, F]`` and the slots the route could not
+    carry (0 when the layout holds the plan).
 
-    Two-hop (the CPU exchanges' default; :mod:`k3jax.parallel.exchange`): home o sends the rows ``(u, j)`` with
+    One-hop (``layout.chunk`` = c): home o puts ``w[fetch[u, j]]`` at row ``(u, j)`` of an ``[R, c]`` box for each
+    of u's first c slots that is one of its experts; the planner fills each receiver from one donor, so receiver u
+    finds all its slots, in order, in the row its donor sent. Moves R·c expert rows per rank; a slot from a second
+    donor or past c would be lost and is counted instead. The transpose all-gathers every receiver's first c slot
+    gradients (R·c rows, as the box) and each home adds those ``src`` marks as its own — no box of mostly zeros
+    sent back (``benchmarks.moonep`` hot rank, side by side with the two-hop route: 65.7 → 61.8 ms a step).
+
+    Two-hop (``layout.send`` = M_in; :mod:`k3jax.parallel.exchange`): home o sends the rows ``(u, j)`` with
     ``fetch[u, j]`` one of its experts, in (u, j) order — at most m + R − 2 of them, since the planner's fills from
     one donor cut its home experts in one pass and only a cut expert goes to two receivers (and at most (R−1)·F
     for F slots per rank). Each receiver's slots all come from the one donor that filled it, so hop 2 needs ⌈F/R⌉
     rows per pair, and its fetched experts (a prefix of ``fetch[u]``, increasing id, so by home then slot) arrive
-    in slot order. Moves ≈ 2·F rows per rank where the ``all_gather`` moves E. ``M_in``: the rows a home may send
-    (default the bound above; a smaller one that :func:`fetch_sends` shows to hold shrinks hop 1 to ⌈M_in/R⌉ rows
-    per pair). ``two_hop`` False: one ``all_gather`` of every home's experts (its transpose all-gathers the slots'
-    gradients and each home adds those of its own experts — no reduce-scatter of a mostly-zero [E, ...])."""
+    in slot order. Moves ≈ 2·F rows per rank where the ``all_gather`` moves E; ``M_in`` smaller than the bound
+    (that :func:`fetch_sends` shows to hold) shrinks hop 1 to ⌈M_in/R⌉ rows per pair.
+
+    Neither: one ``all_gather`` of every home's experts (its transpose all-gathers the slots' gradients and each
+    home adds those of its own experts — no reduce-scatter of a mostly-zero [E, ...])."""
     F = fetch.shape[1]
     r = jax.lax.axis_index(axis)
     flat = fetch.reshape(-1)
     home = _fetch_homes(fetch, m, R)                                     # [R·F], R = empty slot
-    if not two_hop:
-        return FetchRoute(jnp.where(home == r, flat % m, m).astype(jnp.int32), None), jnp.int32(0)
+    if layout.chunk:
+        c = layout.chunk
+        home2 = home.reshape(R, F)
+        mine = (home2[:, :c] == r)                                        # my experts in each receiver's first c
+        src = jnp.where(mine, fetch[:, :c] % m, m).reshape(-1).astype(jnp.int32)
+        donor = jnp.minimum(home2[r, 0], R - 1)                           # who filled my slots (none: any row)
+        used = home2[r] < R
+        lost = jnp.sum(used & ((home2[r] != donor) | (jnp.arange(F) >= c)))
+        return FetchRoute(src, donor=donor.astype(jnp.int32)), lost.astype(jnp.int32)
+    if layout.send is None:
+        return FetchRoute(jnp.where(home == r, flat % m, m).astype(jnp.int32)), jnp.int32(0)
     T = fetch_sends(fetch, m, R, home)                                   # [home, receiver]
-    M_in = min(m + R - 1, R * F) if M_in is None else M_in
+    M_in = layout.send
     mine = compact_index(home == r, M_in)                                # my entries in (u, j) order
     n_mine = T[r].sum()
     src = jnp.where(mine < flat.shape[0], flat[jnp.minimum(mine, flat.shape[0] - 1)] % m, m).astype(jnp.int32)
@@ -95,7 +127,12 @@ def fetch_forward(ws: tuple[jax.Array, ...], fetch: jax.Array, fr: FetchRoute, a
     out: list[jax.Array] = [None] * len(ws)   # type: ignore[list-item]
     for g in _dtype_groups(ws):
         part = [ws[i] for i in g]
-        if fr.route is not None:
+        if fr.donor is not None:
+            box = _send_rows(part, fr.src)                                           # [R·c, Σ X]
+            c = box.shape[0] // R
+            recv = jax.lax.all_to_all(box.reshape(R, c, -1), axis, 0, 0)
+            got = jnp.pad(jax.lax.dynamic_index_in_dim(recv, fr.donor, 0, keepdims=False), [(0, F - c), (0, 0)])
+        elif fr.route is not None:
             got = two_hop_forward(_send_rows(part, fr.src), fr.route, axis, R)
         else:
             m = part[0].shape[0]
@@ -116,7 +153,9 @@ def fetch_transpose(d_slots: tuple[jax.Array, ...], dws: tuple[jax.Array, ...], 
     for g in _dtype_groups(d_slots):
         part = [d_slots[i] for i in g]
         flat = jnp.concatenate([d.reshape(d.shape[0], -1) for d in part], 1)
-        if fr.route is not None:
+        if fr.donor is not None:            # every receiver's slots, each home keeping its own rows (src)
+            rows = jax.lax.all_gather(flat[:fr.src.shape[0] // R], axis, tiled=True)  # [(receiver, j), ·]
+        elif fr.route is not None:
             rows = two_hop_backward(flat, fr.route, axis, R, fr.src.shape[0])          # [M_in, ·] send order
         else:
             rows = jax.lax.all_gather(flat, axis, tiled=True)                         # [R·F, ·] every slot
@@ -178,29 +217,41 @@ def fetch_menu(m: int) -> tuple[int, ...]:
     return (small, m) if small < m else (m,)
 
 
-def fetch_layouts(m: int, R: int, two_hop: bool) -> tuple[tuple[int, int | None], ...]:
-    """The static ``(F slots per rank, M_in weight rows a home sends)`` MoonEP compiles its expert step for, in
-    order: with the two-hop fetch, each slot count of :func:`fetch_menu` with the planner's bound on what one home
-    sends (``min(m + R − 1, R·F)``), preceded for the small slot count by ``M_in = ⌈m/8⌉`` — on the routings of
-    ``benchmarks.moonep`` a home sends a few expert rows, and the bound's hop 1 moved m of them per rank
-    (2.75 MB of the 3.1 MB a rank sent at R=8, E=896). ``M_in`` None: not a two-hop fetch. The plan picks the
-    first layout that holds its fetches (:func:`fetch_layout_index`)."""
-    if not two_hop:
-        return tuple((F, None) for F in fetch_menu(m))
-    out: list[tuple[int, int | None]] = []
-    for F in fetch_menu(m):
-        bound = min(m + R - 1, R * F)
-        small = min(max(1, -(-m // 8)), bound)
-        if F < m and small < bound:
-            out.append((F, small))
-        out.append((F, bound))
+def fetch_layouts(m: int, R: int, route: str) -> tuple[FetchLayout, ...]:
+    """The static :class:`FetchLayout` s MoonEP compiles its expert step for, in order; the plan picks the first
+    that holds its fetches (:func:`fetch_layout_index`). ``route="one_hop"`` (the CPU exchanges): the small slot
+    count F0 of :func:`fetch_menu` in one-hop boxes of c ∈ {⌈F0/8⌉, ⌈F0/4⌉, ⌈F0/2⌉, ⌈3·F0/4⌉, F0} rows per pair
+    (on the routings of ``benchmarks.moonep`` a rank hosts 1–4 redundant experts: c = 2 or 4, 16 or 32 expert
+    rows a rank; on hot-rank routing 9–10 from one donor: c = 11, 88 rows, where the two-hop route moved 128 with
+    two gathers per hop), then the planner's bound of m slots along the two-hop route (any number of slots, from
+    any donors). ``route="gather"``: each slot count of :func:`fetch_menu` by ``all_gather``."""
+    menu = fetch_menu(m)
+    if route == "gather":
+        return tuple(FetchLayout(F) for F in menu)
+    if route != "one_hop":
+        raise ValueError(f"route: expected 'one_hop' or 'gather', got {route!r}")
+    F0 = menu[0]
+    chunks = sorted({max(1, -(-F0 * k // 8)) for k in (1, 2, 4, 6, 8)})
+    out = [FetchLayout(F0, chunk=c) for c in chunks]
+    if F0 < m:
+        out.append(FetchLayout(m, send=min(m + R - 1, R * m)))
     return tuple(out)
 
 
-def fetch_layout_index(fetch: jax.Array, layouts: tuple[tuple[int, int | None], ...], m: int, R: int) -> jax.Array:
+def fetch_layout_index(fetch: jax.Array, layouts: tuple[FetchLayout, ...], m: int, R: int) -> jax.Array:
     """The first of ``layouts`` that holds ``fetch [R, m]`` (every rank's redundant slots, the same on every rank,
-    so every rank picks the same layout): its used slots fit F and no home sends more than M_in rows."""
-    n_fetch = jnp.max(jnp.sum(fetch >= 0, axis=1))
+    so every rank picks the same layout): its used slots fit the layout's slots and one-hop chunk (each rank's from
+    a single donor), and no home sends more than its two-hop rows."""
+    used = fetch >= 0
+    n_fetch = jnp.max(jnp.sum(used, axis=1))
+    home = jnp.where(used, fetch // m, -1)
+    one_donor = jnp.all(~used | (home == jnp.max(home, axis=1, keepdims=True)))
     n_send = jnp.max(jnp.sum(fetch_sends(fetch, m, R), axis=1))
-    fits = jnp.stack([(n_fetch <= F) & (True if M is None else n_send <= M) for F, M in layouts])
-    return jnp.argmax(fits).astype(jnp.int32)       # the last layout (the planner's bounds) always fits
+
+    def fits(L: FetchLayout):
+        ok = n_fetch <= L.slots
+        if L.chunk:
+            return ok & (n_fetch <= L.chunk) & one_donor
+        return ok if L.send is None else ok & (n_send <= L.send)
+
+    return jnp.argmax(jnp.stack([fits(L) for L in layouts])).astype(jnp.int32)   # the last always fits
