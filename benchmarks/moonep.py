@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--K", type=int, default=16)
     ap.add_argument("--D", type=int, default=64)
     ap.add_argument("--I", type=int, default=32)
-    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--routings", nargs="+", default=["uniform", "zipf1.0", "zipf1.5", "hot_rank"])
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
