@@ -83,7 +83,8 @@ def fetch_route(fetch: jax.Array, m: int, R: int, axis: str, layout: FetchLayout
     finds all its slots, in order, in the row its donor sent. Moves R·c expert rows per rank; a slot from a second
     donor or past c would be lost and is counted instead. The transpose all-gathers every receiver's first c slot
     gradients (R·c rows, as the box) and each home adds those ``src`` marks as its own — no box of mostly zeros
-    sent back (``benchmarks.moonep`` hot rank, side by side with the two-hop route: 65.7 → 61.8 ms a step).
+    sent back (``benchmarks.moonep``'s hot-rank routing, side by side with the two-hop route in one process:
+    65.7 → 61.8 ms a step).
 
     Two-hop (``layout.send`` = M_in; :mod:`k3jax.parallel.exchange`): home o sends the rows ``(u, j)`` with
     ``fetch[u, j]`` one of its experts, in (u, j) order — at most m + R − 2 of them, since the planner's fills from
