@@ -244,7 +244,11 @@ def t_moonep(r: dict) -> str:
            f"one-hop fetch: rows one home could send along the two-hop route); FFN layout: the grouped FFN's layouts the ranks ran (box C: C rows per expert "
            f"slot, the smallest of 1.25×, 1.5×, 2× the mean slot that held the largest; box C + n×t: each slot's "
            f"rows past C in n tiles of t rows; tiles n×t: every slot in tiles; box 0: the tiles, in records "
-           f"before the box + tiles layout).\n\n"
+           f"before the box + tiles layout). On one CPU the simulated devices share its cores, so a step costs the "
+           f"sum of every rank's work: MoonEP's balance (every rank exactly S·K rows, its gain with one device per "
+           f"rank) does not show, while the rows capacity drops and MoonEP's redundant experts do; the ratio moves "
+           f"about ±0.15 from run to run, and is higher when only the two methods alternate (capacity then runs "
+           f"faster).\n\n"
            + table(["routing", "MoonEP ms", "chunk rows", "MoonEP ms (two-hop exchange)", "MoonEP ms (gather exchange)",
                     "MoonEP ms (dense exchange)", "MoonEP rows/rank", "fetched",
                     "fetch slots/rank", "fetch rows/rank", "FFN layout", "dropless ms", "dropless rows/rank", "speedup vs dropless", "buffer dropless/MoonEP",
