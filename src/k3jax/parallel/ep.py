@@ -49,8 +49,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from k3jax.ops.grouped import ffn_layouts, grouped_ffn, grouped_ffn_backward, grouped_ffn_forward, layout_index
-from k3jax.parallel.ep_fetch import (FetchLayout, fetch_forward, fetch_layout_index, fetch_layouts, fetch_route,
-                                    fetch_transpose, fetch_weights)
+from k3jax.parallel.ep_fetch import (FetchLayout, any_slots_layout, fetch_forward, fetch_layout_index, fetch_layouts,
+                                    fetch_route, fetch_transpose, fetch_weights)
 from k3jax.parallel.exchange import inverse_map, rows_at, two_hop_exchange, two_hop_return, two_hop_route
 from k3jax.parallel.moonep import PairLayout, pair_counts, pair_layout, plan, rank_in_group, slots_from_alloc
 
@@ -274,8 +274,7 @@ def _past_F0(xs, sizes, fetch, w1, w3, w2, ex: _Experts, F0: int):
     """The redundant slots past the first F0 (rare: a rank hosting more): their own fetch (the planner's bound)
     and grouped FFN over the segment rows after the first m + F0 slots → ``(y [P, D], overflow)``."""
     m, Pn = w1.shape[0], xs.shape[0]
-    F = m - F0
-    layout = FetchLayout(F, send=min(m + ex.R - 1, ex.R * F)) if ex.route == "one_hop" else FetchLayout(F)
+    layout = any_slots_layout(m - F0, m, ex.R, ex.route)
     fw, overflow = fetch_weights((w1, w3, w2), fetch[:, F0:], ex.axis, ex.R, layout)
     q = jnp.arange(Pn, dtype=jnp.int32)
     first = jnp.sum(sizes[:m + F0])                                       # their rows follow the first m + F0 slots

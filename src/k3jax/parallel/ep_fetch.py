@@ -235,8 +235,15 @@ def fetch_layouts(m: int, R: int, route: str) -> tuple[FetchLayout, ...]:
     chunks = sorted({max(1, -(-F0 * k // 8)) for k in (1, 2, 4, 6, 8)})
     out = [FetchLayout(F0, chunk=c) for c in chunks]
     if F0 < m:
-        out.append(FetchLayout(m, send=min(m + R - 1, R * m)))
+        out.append(any_slots_layout(m, m, R, route))
     return tuple(out)
+
+
+def any_slots_layout(F: int, m: int, R: int, route: str) -> FetchLayout:
+    """The layout that holds any fetch of ``F`` slots per rank, from any donors: the two-hop route with the
+    planner's bound on what one home sends, ``min(m + R − 1, R·F)`` rows (``route="one_hop"``), or the
+    ``all_gather`` (``"gather"``)."""
+    return FetchLayout(F, send=min(m + R - 1, R * F)) if route == "one_hop" else FetchLayout(F)
 
 
 def fetch_layout_index(fetch: jax.Array, layouts: tuple[FetchLayout, ...], m: int, R: int) -> jax.Array:
