@@ -236,7 +236,8 @@ def t_moonep(r: dict) -> str:
     s = r.get("setup", {})
     out = (f"R={r.get('devices')} devices, S={s.get('S')} tokens/rank, E={s.get('E')}, top-{s.get('K')}, "
            f"D={s.get('D')}, I={s.get('I')}, exchange {s.get('exchange')}; step = MoE fwd+bwd, ms (median of "
-           f"rounds interleaved over the methods); chunk rows: the one-hop exchange's rows per (source, "
+           f"rounds interleaved over the methods, each timed call right after an untimed call of the same method); "
+           f"chunk rows: the one-hop exchange's rows per (source, "
            f"destination) pair that ran (1.25×, 1.5× or 2× S·K/R; 0: the two-hop fallback); fetch slots/rank: "
            f"the redundant-expert slots the step ran with (⌈m/8⌉, or m when a rank hosted more); fetch rows/rank: the "
            f"expert weight rows a rank sent in that layout (one-hop: the [R, c] box, c the smallest rung that held "
@@ -245,10 +246,12 @@ def t_moonep(r: dict) -> str:
            f"slot, the smallest of 1.25×, 1.5×, 2× the mean slot that held the largest; box C + n×t: each slot's "
            f"rows past C in n tiles of t rows; tiles n×t: every slot in tiles; box 0: the tiles, in records "
            f"before the box + tiles layout). On one CPU the simulated devices share its cores, so a step costs the "
-           f"sum of every rank's work: MoonEP's balance (every rank exactly S·K rows, its gain with one device per "
-           f"rank) does not show, while the rows capacity drops and MoonEP's redundant experts do; the ratio moves "
-           f"about ±0.15 from run to run, and is higher when only the two methods alternate (capacity then runs "
-           f"faster).\n\n"
+           f"sum of every rank's work. Every rank runs the same static shapes in either method, so MoonEP's balance "
+           f"shows as rows kept (0 dropped, in an S·K buffer), not as time: its step pays for every row, for the "
+           f"padding of its ragged slots in the grouped layout and for its redundant experts' weights, where "
+           f"capacity drops 14–73% of the rows. Records before 2026-12-06T07:30 timed capacity right after the "
+           f"dropless step (16,384-row buffers), whose aftermath slowed it by ~7 ms: their ratios (1.30–1.80× on "
+           f"these routings) read too low.\n\n"
            + table(["routing", "MoonEP ms", "chunk rows", "MoonEP ms (two-hop exchange)", "MoonEP ms (gather exchange)",
                     "MoonEP ms (dense exchange)", "MoonEP rows/rank", "fetched",
                     "fetch slots/rank", "fetch rows/rank", "FFN layout", "dropless ms", "dropless rows/rank", "speedup vs dropless", "buffer dropless/MoonEP",
