@@ -239,6 +239,10 @@ def test_verify_catches_a_corrupted_checkpoint_and_loses_nothing(sched):
 
 
 def test_snapshot_and_memory_report_the_cache(sched):
+    prompt = tokens(71, BLOCK + 40)                   # a miss, then a hit of its first block: stands alone
+    run(sched, prompt)
+    run(sched, prompt)
+    wait_idle(sched)
     snap = sched.snapshot()["prefix"]
     for k in ("lookups", "hits", "hit_tokens", "queried_tokens", "hit_rate", "checkpoint_bytes", "evictions",
               "checkpoints", "cached_pages", "budget_bytes"):
