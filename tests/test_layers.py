@@ -1,5 +1,7 @@
 """SiTU, routing, dropless MoE and the LatentMoE block against closed forms and per-token references."""
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -329,6 +331,99 @@ def test_matmul_acc_accumulates_in_fp32_both_ways_and_matches_numpy():
     eqns = [e for e in _all_eqns(closed.jaxpr) if e.primitive.name == "dot_general"]
     assert len(eqns) >= 3                                            # the forward, dx and dw
     assert all(v.aval.dtype == bf for e in eqns for v in e.invars), [[v.aval for v in e.invars] for e in eqns]
+
+
+def _f32_dots(compiled_text: str) -> list[str]:
+    """The dots of an optimized HLO module whose operands are both fp32 (each operand's type read off its
+    definition)."""
+    import re
+    types = dict(re.findall(r"%([\w.\-]+) = (\w+)\[", compiled_text))
+    out = []
+    for line in compiled_text.splitlines():
+        m = re.search(r" dot\(([^)]*)\)", line)
+        if m:
+            ops = [o.strip().split()[-1].lstrip("%") for o in m.group(1).split(",")]
+            if all(types.get(o) == "f32" for o in ops):
+                out.append(line.strip()[:160])
+    return out
+
+
+@pytest.mark.parametrize("shape", [(16, 24), (3, 12, 5), (2, 6, 9), (7, 4), (2, 1, 3)])
+def test_transposed_copy_is_the_transpose(shape):
+    from k3jax.ops.precision import transposed_copy
+    a = jnp.arange(np.prod(shape), dtype=jnp.float32).reshape(shape)
+    np.testing.assert_array_equal(np.asarray(jax.jit(transposed_copy)(a)), np.swapaxes(np.asarray(a), -1, -2))
+
+
+def test_bf16_products_and_weight_gradients_stay_bf16_after_xla():
+    """XLA:CPU converts a bf16 product to fp32 (the fp32 rate, no matrix unit) when it is asked for a bf16 result
+    or when the product contracts its first operand's leading axis — the form of a weight gradient. The bf16
+    backward of matmul_acc and of the grouped FFN must keep every product's operands bf16 in the optimized
+    module (the weight gradients through ops.precision.transposed_copy), and their fp32 forms are untouched."""
+    from k3jax.ops.grouped import _grouped_ffn, ffn_layouts
+    from k3jax.ops.precision import matmul_acc
+    rng = np.random.default_rng(5)
+    act = lambda a, u: jax.nn.silu(a) * u  # noqa: E731
+    M, G, D, I = 64, 4, 16, 24
+    sizes = jnp.asarray([20, 12, 16, 16], jnp.int32)
+    for dt in (jnp.bfloat16, jnp.float32):
+        x = jnp.asarray(rng.normal(size=(64, 24)), dt)          # tokens flattened: one leading axis
+        w = jnp.asarray(rng.normal(size=(24, 32)), dt)
+        dense = jax.jit(jax.grad(lambda x, w: jnp.sum(matmul_acc(x, w, 1).astype(jnp.float32) ** 2), argnums=(0, 1)))
+        xs = jnp.asarray(rng.normal(size=(M, D)), dt)
+        W = [jnp.asarray(rng.normal(size=s), dt) for s in ((G, D, I), (G, D, I), (G, I, D))]
+        layouts = ffn_layouts("padded", M, G, D, I)
+        grouped = jax.jit(jax.grad(lambda xs, *W: jnp.sum(_grouped_ffn(xs, sizes, *W, act, layouts)
+                                                          .astype(jnp.float32) ** 2), argnums=(0, 1, 2, 3)))
+        for f, args in ((dense, (x, w)), (grouped, (xs, *W))):
+            text = f.lower(*args).compile().as_text()
+            f32 = _f32_dots(text)
+            if dt == jnp.bfloat16:
+                assert not f32, f32
+            else:
+                assert f32 and "bf16[" not in text
+
+
+def test_grouped_ffn_bf16_matches_float64_of_the_bf16_values(rng):
+    """The grouped FFN with bf16 operands (every layout: box, box + tiles from two weight parts, tiles): products
+    accumulated in fp32 and rounded once, so values and gradients are float64's products of the same bf16 values
+    to bf16's rounding."""
+    from k3jax.ops.grouped import _grouped_ffn, choose_tile, padded_layouts
+    M, G, D, I, split = 64, 8, 16, 24, 5
+    bf = jnp.bfloat16
+    layouts = padded_layouts(M, G, choose_tile(M, G, D, 3 * I))
+    r64 = lambda a: np.asarray(jnp.asarray(a, bf), np.float64)  # noqa: E731
+    x, dy = r64(rng.normal(size=(M, D))), r64(rng.normal(size=(M, D)))
+    W = [r64(rng.normal(size=s) / 2) for s in ((G, D, I), (G, D, I), (G, I, D))]
+    sig = lambda v: 1 / (1 + np.exp(-v))  # noqa: E731
+
+    def f(x_, s_, *ws, layout):
+        parts = [(w[:split], w[split:]) for w in ws]
+        y, pull = jax.vjp(lambda x__, *p: _grouped_ffn(x__, s_, *p, lambda a, u: jax.nn.silu(a) * u, (layout,)),
+                          x_, *parts)
+        dx, *dws = pull(jnp.asarray(dy, jnp.float32))       # the output is fp32 (the accumulation)
+        return y, dx, [jnp.concatenate(d, 0) for d in dws]
+
+    for layout, sizes in zip(layouts, ([16, 8, 8, 8, 8, 8, 8, 0], [40, 24, 0, 0, 0, 0, 0, 0],
+                                       [0, 17, 0, 17, 0, 17, 0, 13])):
+        g = np.repeat(np.arange(G), sizes)
+        a, u = np.einsum("md,mdi->mi", x, W[0][g]), np.einsum("md,mdi->mi", x, W[1][g])
+        h = a * sig(a) * u
+        y_want = np.einsum("mi,mid->md", h, W[2][g])
+        dh = np.einsum("md,mid->mi", dy, W[2][g])
+        da, du = dh * u * sig(a) * (1 + a * (1 - sig(a))), dh * a * sig(a)
+        dws_want = [np.zeros_like(w) for w in W]
+        np.add.at(dws_want[0], g, np.einsum("md,mi->mdi", x, da))
+        np.add.at(dws_want[1], g, np.einsum("md,mi->mdi", x, du))
+        np.add.at(dws_want[2], g, np.einsum("mi,md->mid", h, dy))
+        y, dx, dws = jax.jit(partial(f, layout=layout))(jnp.asarray(x, bf), jnp.asarray(sizes, jnp.int32),
+                                                         *(jnp.asarray(w, bf) for w in W))
+        assert dx.dtype == bf and all(d.dtype == bf for d in dws)
+        dx_want = np.einsum("mi,mdi->md", da, W[0][g]) + np.einsum("mi,mdi->md", du, W[1][g])
+        for got, want in ((y, y_want), (dx, dx_want), *zip(dws, dws_want)):
+            got = np.asarray(got, np.float64)
+            scale = np.abs(want).max()
+            np.testing.assert_allclose(got, want, atol=0.03 * scale, rtol=0.03)
 
 
 def test_matmul_acc_fp32_gradients_equal_autodiff_of_the_einsum():

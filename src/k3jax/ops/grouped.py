@@ -40,7 +40,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from k3jax.ops.precision import acc_dtype
+from k3jax.ops.precision import acc_dtype, low_precision, transposed_copy
 from k3jax.ops.switch import switch_recompute
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -284,7 +284,19 @@ def ffn_layouts(strategy: str, M: int, G: int, D: int, I: int, tile: int | None 
 
 
 def _ein(a: jax.Array, b: jax.Array, spec: str, out) -> jax.Array:
-    return jnp.einsum(spec, a, b.astype(a.dtype), precision=HIGHEST, preferred_element_type=out)
+    """``einsum(spec, a, b)`` in ``a``'s dtype, accumulated in :func:`acc_dtype` and rounded to ``out``. A product
+    asked for in bf16 is one XLA:CPU runs by converting its operands to fp32 (the fp32 rate); bf16 operands into
+    an fp32 result run on the matrix unit (AMX), so the rounding to bf16 comes after."""
+    return jnp.einsum(spec, a, b.astype(a.dtype), precision=HIGHEST, preferred_element_type=acc_dtype(a)).astype(out)
+
+
+def _wgrad(a: jax.Array, b: jax.Array, out) -> jax.Array:
+    """A weight gradient over blocks of rows: ``Σ_c a[g, c, x] b[g, c, y]`` → ``[g, x, y]``; with bf16 operands
+    through :func:`~k3jax.ops.precision.transposed_copy` of ``a``, so the product contracts ``a``'s last axis and
+    runs on the matrix unit."""
+    if low_precision(a):
+        return _ein(transposed_copy(a), b, "gxc,gcy->gxy", out)
+    return _ein(a, b, "gcx,gcy->gxy", out)
 
 
 def _parts(w) -> tuple[jax.Array, ...]:
@@ -389,7 +401,7 @@ class _Blocks:
             h, act_vjp = jax.vjp(act, a, b)
             da, db = act_vjp(_ein(dy, Wd, "gcd,gid->gci", dt))
             dx = _ein(da, Wg, "gci,gdi->gcd", f) + _ein(db, Wu, "gci,gdi->gcd", f)
-            d = (_ein(x, da, "gcd,gci->gdi", f), _ein(x, db, "gcd,gci->gdi", f), _ein(h, dy, "gci,gcd->gid", f))
+            d = (_wgrad(x, da, f), _wgrad(x, db, f), _wgrad(h, dy, f))
             return tuple(A.at[g].add(v) for A, v in zip(acc, d)), dx
 
         acc0 = tuple(jnp.zeros((self.G, *parts[0].shape[1:]), f) for parts in ws)
@@ -407,15 +419,15 @@ class _Blocks:
             tiles = _ein(tiles, self._tile_weights(parts), spec, out)
         return box, tiles
 
-    def weight_grad(self, a: tuple, b: tuple, parts: tuple, spec: str, out) -> tuple[jax.Array, ...]:
-        """Per-part expert weight gradients from block operands ``a, b`` (``spec`` → the weight's axes). The tiles'
+    def weight_grad(self, a: tuple, b: tuple, parts: tuple, out) -> tuple[jax.Array, ...]:
+        """Per-part expert weight gradients ``Σ_rows a ⊗ b`` (:func:`_wgrad`) from block operands ``a, b``. The tiles'
         gradients are scatter-added into the box's gradient of their part (in place): summing them into a
         zero-filled ``[G, ...]`` first and adding that cost two more passes over the weights' size per weight."""
-        dw_tiles = _ein(a[1], b[1], spec, out) if a[1] is not None else None
+        dw_tiles = _wgrad(a[1], b[1], out) if a[1] is not None else None
         grads = []
         for g0, g1, w in self._spans(parts):
             if a[0] is not None:
-                d = _ein(a[0][g0:g1], b[0][g0:g1], spec, out)
+                d = _wgrad(a[0][g0:g1], b[0][g0:g1], out)
             else:
                 d = jnp.zeros((g1 - g0, *dw_tiles.shape[1:]), dw_tiles.dtype)
             if dw_tiles is not None:
@@ -478,8 +490,8 @@ def grouped_ffn_backward(xs: jax.Array, sizes: jax.Array, w_gate, w_up, w_down, 
             h, act_vjp = jax.vjp(lambda a, b: _each(act, a, b), lay.blocks(a_rows), lay.blocks(b_rows))
             da, db = act_vjp(lay.matmul(dy, wd, "gcd,gid->gci", dt))
             dxb = _each(jnp.add, lay.matmul(da, wg, "gci,gdi->gcd", f), lay.matmul(db, wu, "gci,gdi->gcd", f))
-            return (lay.unblock(dxb), lay.weight_grad(xb, da, wg, "gcd,gci->gdi", f),
-                    lay.weight_grad(xb, db, wu, "gcd,gci->gdi", f), lay.weight_grad(h, dy, wd, "gci,gcd->gid", f))
+            return (lay.unblock(dxb), lay.weight_grad(xb, da, wg, f), lay.weight_grad(xb, db, wu, f),
+                    lay.weight_grad(h, dy, wd, f))
         return run
 
     dxs, dwg, dwu, dwd = jax.lax.switch(index, [branch(L) for L in layouts], sizes, xs, wg, wu, wd,

@@ -3,6 +3,7 @@ the projection matmul with that accumulation in both directions (:func:`matmul_a
 
 from __future__ import annotations
 
+import math
 from functools import partial
 
 import jax
@@ -19,6 +20,26 @@ def acc_dtype(*xs: jax.Array) -> jnp.dtype:
 
 def _dot_acc(a: jax.Array, b: jax.Array, a_axes: tuple[int, ...], b_axes: tuple[int, ...], acc) -> jax.Array:
     return jax.lax.dot_general(a, b, ((a_axes, b_axes), ((), ())), preferred_element_type=acc)
+
+
+def transposed_copy(a: jax.Array) -> jax.Array:
+    """``a [..., N, M]`` → ``[..., M, N]`` as a row-major copy. A plain transpose in front of a product is folded
+    into the product's dimension numbers, which leaves a weight gradient's ``Σ_n x[n, i] g[n, o]`` contracting its
+    operands' leading axis — a form XLA:CPU's matrix-unit (YNNPACK) dots do not take, so with bf16 operands it
+    converts them to fp32 and runs at the fp32 rate (a [1024, 512]ᵀ·[1024, 1024] bf16 product: 4.6 ms, against
+    1.4 ms through this copy). Splitting N in two before the transpose keeps it from being folded."""
+    *lead, N, M = a.shape
+    d = next((d for d in (8, 4, 2) if N % d == 0), None)
+    if d is None:                                   # odd N: the plain transpose (XLA may fold it)
+        return jnp.swapaxes(a, -1, -2)
+    k = len(lead)
+    split = a.reshape(*lead, N // d, d, M)
+    return jnp.transpose(split, (*range(k), k + 2, k, k + 1)).reshape(*lead, M, N)
+
+
+def low_precision(x: jax.Array) -> bool:
+    """Whether ``x`` is narrower than its accumulation dtype (bf16/fp16): its products take the matrix-unit path."""
+    return jnp.dtype(x.dtype) != acc_dtype(x)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -43,7 +64,12 @@ def _matmul_acc_bwd(n_in, res, g):
     acc = acc_dtype(x)
     nb, n_out = x.ndim - n_in, w.ndim - n_in
     dx = _dot_acc(g, w, tuple(range(nb, nb + n_out)), tuple(range(n_in, n_in + n_out)), acc)      # [batch…, in…]
-    dw = _dot_acc(x, g, tuple(range(nb)), tuple(range(nb)), acc)                                  # [in…, out…]
+    if low_precision(x):              # [in, n]·[n, out]: a product the matrix unit takes (transposed_copy)
+        n = math.prod(x.shape[:nb])
+        xt = transposed_copy(x.reshape(n, -1))
+        dw = _dot_acc(xt, g.reshape(n, -1), (1,), (0,), acc).reshape(w.shape)
+    else:
+        dw = _dot_acc(x, g, tuple(range(nb)), tuple(range(nb)), acc)                              # [in…, out…]
     return dx.astype(x.dtype), dw.astype(w.dtype)
 
 
