@@ -173,11 +173,15 @@ def t_train(r: dict) -> str:
     peak = r.get("gemm_peak_flops")
     rows = [[x.get("preset"), x.get("mode", "fp32"), num(x.get("params")), f"{x.get('batch')}×{x.get('seq_len')}",
              num(x.get("step_seconds_median"), ",.2f"), num(x.get("first_step_seconds"), ",.1f"),
-             num(x.get("tokens_per_s")), num(x.get("train_flops_per_token"), ",.3g"), pct(x.get("mfu"))]
+             num(x.get("tokens_per_s")), num(x.get("train_flops_per_token"), ",.3g"), pct(x.get("mfu")),
+             pct(x.get("mfu_own_precision"))]
             for x in r.get("runs", [])]
-    return (f"MFU against this module's own 1024² fp32 GEMM: {num(peak, ',.1f', 1e-9)} GFLOP/s.\n\n"
+    bf = r.get("gemm_peak_flops_bf16")
+    own = (f" `MFU (own precision)`: against the GEMM of the mode's products — bf16 operands into fp32 for bf16, "
+           f"{num(bf, ',.1f', 1e-9)} GFLOP/s." if bf else "")
+    return (f"MFU against this module's own 1024² fp32 GEMM: {num(peak, ',.1f', 1e-9)} GFLOP/s.{own}\n\n"
             + table(["preset", "mode", "params", "B×T", "step s (median)", "first step s", "tokens/s",
-                     "train FLOPs/token", "MFU"], rows))
+                     "train FLOPs/token", "MFU", "MFU (own precision)"], rows))
 
 
 def t_decode(r: dict) -> str:
