@@ -40,7 +40,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from k3jax.ops.precision import acc_dtype, low_precision, transposed_copy
+from k3jax.ops.precision import acc_dtype, copy_transposed_for_grad, transposed_copy
 from k3jax.ops.switch import switch_recompute
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -291,10 +291,10 @@ def _ein(a: jax.Array, b: jax.Array, spec: str, out) -> jax.Array:
 
 
 def _wgrad(a: jax.Array, b: jax.Array, out) -> jax.Array:
-    """A weight gradient over blocks of rows: ``Σ_c a[g, c, x] b[g, c, y]`` → ``[g, x, y]``; with bf16 operands
-    through :func:`~k3jax.ops.precision.transposed_copy` of ``a``, so the product contracts ``a``'s last axis and
-    runs on the matrix unit."""
-    if low_precision(a):
+    """A weight gradient over blocks of rows: ``Σ_c a[g, c, x] b[g, c, y]`` → ``[g, x, y]``; with bf16 operands on
+    XLA:CPU through :func:`~k3jax.ops.precision.transposed_copy` of ``a``, so the product contracts ``a``'s last axis
+    and runs on the matrix unit."""
+    if copy_transposed_for_grad(a):
         return _ein(transposed_copy(a), b, "gxc,gcy->gxy", out)
     return _ein(a, b, "gcx,gcy->gxy", out)
 

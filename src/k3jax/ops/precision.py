@@ -37,9 +37,10 @@ def transposed_copy(a: jax.Array) -> jax.Array:
     return jnp.transpose(split, (*range(k), k + 2, k, k + 1)).reshape(*lead, M, N)
 
 
-def low_precision(x: jax.Array) -> bool:
-    """Whether ``x`` is narrower than its accumulation dtype (bf16/fp16): its products take the matrix-unit path."""
-    return jnp.dtype(x.dtype) != acc_dtype(x)
+def copy_transposed_for_grad(x: jax.Array) -> bool:
+    """Whether a weight gradient over ``x`` contracts :func:`transposed_copy` of it: ``x`` narrower than its
+    accumulation dtype (bf16/fp16) on XLA:CPU. Accelerators' GEMMs take the leading-axis contraction as it is."""
+    return jnp.dtype(x.dtype) != acc_dtype(x) and jax.default_backend() == "cpu"
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -50,7 +51,8 @@ def matmul_acc(x: jax.Array, w: jax.Array, n_in: int) -> jax.Array:
 
     Why by hand: on XLA:CPU only a bf16 × bf16 → fp32 product runs on the matrix unit (AMX: ~4× the fp32 rate),
     and autodiff's backward multiplied the fp32 cotangent by the bf16 operand at the fp32 rate; in fp32 the
-    autodiff transposes of the einsum also ran slower (100m training step 15.1 → 12.8 s side by side)."""
+    autodiff transposes of the einsum also ran slower (100m training step 15.1 → 12.8 s side by side). With bf16
+    operands on XLA:CPU dw contracts a transposed copy of x (:func:`copy_transposed_for_grad`)."""
     return _dot_acc(x, w, tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)), acc_dtype(x)).astype(x.dtype)
 
 
@@ -64,7 +66,7 @@ def _matmul_acc_bwd(n_in, res, g):
     acc = acc_dtype(x)
     nb, n_out = x.ndim - n_in, w.ndim - n_in
     dx = _dot_acc(g, w, tuple(range(nb, nb + n_out)), tuple(range(n_in, n_in + n_out)), acc)      # [batch…, in…]
-    if low_precision(x):              # [in, n]·[n, out]: a product the matrix unit takes (transposed_copy)
+    if copy_transposed_for_grad(x):   # [in, n]·[n, out]: a product the matrix unit takes (transposed_copy)
         n = math.prod(x.shape[:nb])
         xt = transposed_copy(x.reshape(n, -1))
         dw = _dot_acc(xt, g.reshape(n, -1), (1,), (0,), acc).reshape(w.shape)
