@@ -27,7 +27,7 @@ def transposed_copy(a: jax.Array) -> jax.Array:
     into the product's dimension numbers, which leaves a weight gradient's ``Σ_n x[n, i] g[n, o]`` contracting its
     operands' leading axis — a form XLA:CPU's matrix-unit (YNNPACK) dots do not take, so with bf16 operands it
     converts them to fp32 and runs at the fp32 rate (a [1024, 512]ᵀ·[1024, 1024] bf16 product: 4.6 ms, against
-    1.4 ms through this copy). Splitting N in two before the transpose keeps it from being folded."""
+    1.4 ms through this copy). Splitting N into two axes before the transpose keeps it from being folded."""
     *lead, N, M = a.shape
     d = next((d for d in (8, 4, 2) if N % d == 0), None)
     if d is None:                                   # odd N: the plain transpose (XLA may fold it)
