@@ -178,6 +178,17 @@ class PagedMLACache:
     def with_page_table(self, page_table: jax.Array) -> "PagedMLACache":
         return PagedMLACache(self.c_kv, self.k_r, jnp.asarray(page_table, jnp.int32))
 
+    @property
+    def pool(self) -> tuple[jax.Array, jax.Array]:
+        """The shared pages ``(c_kv [P, page, R], k_r [P, page, Dr])``."""
+        return self.c_kv, self.k_r
+
+    def with_pool(self, c_kv: jax.Array, k_r: jax.Array) -> "PagedMLACache":
+        """These page-table rows over the pages ``c_kv``, ``k_r`` (another view's pool, e.g. after its append)."""
+        if c_kv.shape != self.c_kv.shape or k_r.shape != self.k_r.shape:
+            raise ValueError(f"with_pool: pool {c_kv.shape}, {k_r.shape} != {self.c_kv.shape}, {self.k_r.shape}")
+        return PagedMLACache(c_kv, k_r, self.page_table)
+
     def read_slots(self, slots) -> "PagedMLACache":
         return PagedMLACache(self.c_kv, self.k_r, self.page_table[_slot_ids(slots)])
 

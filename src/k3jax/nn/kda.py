@@ -11,7 +11,7 @@ from flax import nnx
 
 from k3jax.config import K3Config
 from k3jax.nn.cache import KDACache, KDAPending, KDARecord
-from k3jax.nn.layers import KeyGen, Proj, param
+from k3jax.nn.layers import KeyGen, Proj, TokenGroups, param
 from k3jax.ops.kda import (causal_conv1d, conv_window_advance, kda_gate_lower_bound, kda_gate_softplus,
                            kda_recurrent, kda_step)
 from k3jax.ops.kda_chunked import kda_chunked
@@ -25,6 +25,10 @@ class KDAttention(nnx.Module):
 
     q/k/v: projection → depthwise causal conv → silu → heads; q, k L2-normed, q·K^(−1/2) (in the kernel);
     γ = gate(f_b(f_a(x)) + dt_bias), β = σ(b(x)); o = KDA(q, k, v, γ, β); o = GN(o, g(x)); out = o_proj(o).
+
+    Token-wise parts (:meth:`token_inputs`, :meth:`output`) and the sequence mixing (:meth:`mix`) are separate
+    methods: :meth:`__call__` runs them on one batch, :meth:`forward_groups` the token-wise ones once over several
+    row groups' tokens and the mixing per group.
     """
 
     def __init__(self, cfg: K3Config, *, keys: KeyGen):
@@ -67,18 +71,75 @@ class KDAttention(nnx.Module):
             return kda_gate_lower_bound(f, self.dt_bias[...], self.A_log[...], self.lower_bound)
         return kda_gate_softplus(f, self.dt_bias[...], self.A_log[...])
 
+    def conv(self, w: nnx.Param, u: jax.Array, window: jax.Array | None, reset: jax.Array | None,
+             cp: ContextParallel | None = None) -> jax.Array:
+        """Depthwise causal conv of projected inputs ``u [B, T, P]`` (continuing ``window [B, W−1, P]`` when given)
+        → silu, as heads ``[B, T, nh, hd]``. ``cp``: time split over a context axis (no window; the halo comes from
+        the previous rank)."""
+        B, T, _ = u.shape
+        if cp is not None:
+            return causal_conv1d_context_parallel(u, w[...], cp, reset).reshape(B, T, self.num_heads, self.head_dim)
+        y, _ = causal_conv1d(u, w[...], state=window, reset=reset)
+        return y.reshape(B, T, self.num_heads, self.head_dim)
+
     def conv_branch(self, proj: Proj, w: nnx.Param, x: jax.Array, window: jax.Array | None,
                     reset: jax.Array | None, cp: ContextParallel | None = None) -> tuple[jax.Array, jax.Array]:
-        """Projection → depthwise causal conv (continuing ``window [B, W−1, P]`` when given) → silu, as heads
-        ``[B, T, nh, hd]``; also the projected inputs ``[B, T, P]`` (what the next conv window is made of).
-        ``cp``: time split over a context axis (no window; the halo comes from the previous rank)."""
+        """Projection → :meth:`conv` as heads ``[B, T, nh, hd]``; also the projected inputs ``[B, T, P]`` (what the
+        next conv window is made of)."""
         B, T, _ = x.shape
         u = proj(x).reshape(B, T, self.num_heads * self.head_dim)
-        if cp is not None:
-            return causal_conv1d_context_parallel(u, w[...], cp, reset).reshape(B, T, self.num_heads,
-                                                                                 self.head_dim), u
-        y, _ = causal_conv1d(u, w[...], state=window, reset=reset)
-        return y.reshape(B, T, self.num_heads, self.head_dim), u
+        return self.conv(w, u, window, reset, cp), u
+
+    def token_inputs(self, x: jax.Array) -> tuple[tuple[jax.Array, jax.Array, jax.Array], jax.Array, jax.Array]:
+        """The token-wise part before the mixing, ``x [.., T, hidden]`` → the conv inputs ``(u_q, u_k, u_v)``
+        ``[.., T, P]`` (P = nh·hd), the log-decay γ ``[.., T, nh, hd]`` and β = σ(b(x)) ``[.., T, nh]`` (fp32)."""
+        u = tuple(p(x).reshape(*x.shape[:-1], self.num_heads * self.head_dim)
+                  for p in (self.q_proj, self.k_proj, self.v_proj))
+        return u, self.gate(x), jax.nn.sigmoid(self.b_proj(x).astype(acc_dtype(x)))
+
+    def mix(self, u: tuple[jax.Array, jax.Array, jax.Array], g: jax.Array, beta: jax.Array, *,
+            cache: KDACache | None, n_new: jax.Array | None, reset: jax.Array | None = None, kernel: str = "chunked",
+            record: bool = False, cp: ContextParallel | None = None
+            ) -> tuple[jax.Array, KDACache | KDAPending | None]:
+        """The sequence mixing of one row group, from :meth:`token_inputs` ``[B, T, ..]``: the short convs (from the
+        cache's windows), q, k L2-normed, padding (t ≥ ``n_new[b]``) masked to γ = 0, β = 0, then the recurrence
+        o = KDA(q, k, v, γ, β) ``[B, T, nh, hd]`` and the new cache (see :meth:`__call__`; ``cp`` already resolved,
+        ``n_new`` given with a cache)."""
+        T = g.shape[1]
+        windows = (None, None, None) if cache is None else cache.windows
+        q, k, v = (self.conv(w, x, win, reset, cp)
+                   for w, x, win in zip((self.q_conv1d, self.k_conv1d, self.v_conv1d), u, windows))
+        q, k = l2_norm(q), l2_norm(k)
+        S0 = None
+        if cache is not None:
+            valid = jnp.arange(T)[None, :] < n_new[:, None]                              # [B, T]
+            g = jnp.where(valid[..., None, None], g, 0.0)
+            beta = jnp.where(valid[..., None], beta, 0.0)
+            S0 = cache.state
+        want_state = cache is not None and not record
+        if kernel == "recurrent" or (record and T > 1):
+            o, S = kda_recurrent(q, k, v, g, beta, initial_state=S0, output_final_state=want_state, reset=reset)
+        elif T == 1 and S0 is not None and reset is None:
+            o, S = kda_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], S0)
+            o = o[:, None]
+        elif cp is not None:
+            o, S = kda_context_parallel(q, k, v, g, beta, cp, safe_gate=self.gate_kind == "lower_bound",
+                                        reset=reset)
+        else:
+            o, S = kda_chunked(q, k, v, g, beta, initial_state=S0, output_final_state=want_state,
+                               safe_gate=self.gate_kind == "lower_bound", reset=reset)
+        if cache is None:
+            new = None
+        elif record:
+            new = KDAPending(cache, KDARecord(k, v, g, beta, *u))
+        else:
+            new = KDACache(S, *(conv_window_advance(w, x, n_new) for w, x in zip(windows, u)))
+        return o, new
+
+    def output(self, o: jax.Array, x: jax.Array) -> jax.Array:
+        """After the mixing, token-wise: ``o [.., T, nh, hd]`` → GN(o, g(x)) → o_proj, ``[.., T, hidden]``."""
+        gate = self.g_proj(x) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x))
+        return self.o_proj(gated_rms_norm(o.astype(x.dtype), gate, self.o_norm[...], self.eps))
 
     def __call__(self, x: jax.Array, *, cache: KDACache | None = None, n_new: jax.Array | None = None,
                  segment_ids: jax.Array | None = None, kernel: str = "chunked", record: bool = False,
@@ -112,37 +173,22 @@ class KDAttention(nnx.Module):
             reset = jnp.concatenate([jnp.zeros((B, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
         if cp is not None and (cache is not None or kernel != "chunked" or not cp.active):
             cp = None                        # decode / reference kernels / a context axis of one: no split
-        wq, wk, wv = (None, None, None) if cache is None else cache.windows
-        q, uq = self.conv_branch(self.q_proj, self.q_conv1d, x, wq, reset, cp)
-        k, uk = self.conv_branch(self.k_proj, self.k_conv1d, x, wk, reset, cp)
-        v, uv = self.conv_branch(self.v_proj, self.v_conv1d, x, wv, reset, cp)
-        q, k = l2_norm(q), l2_norm(k)
-        g = self.gate(x)
-        beta = jax.nn.sigmoid(self.b_proj(x).astype(acc_dtype(x)))
-        S0 = None
-        if cache is not None:
-            valid = jnp.arange(T)[None, :] < n_new[:, None]                              # [B, T]
-            g = jnp.where(valid[..., None, None], g, 0.0)
-            beta = jnp.where(valid[..., None], beta, 0.0)
-            S0 = cache.state
-        want_state = cache is not None and not record
-        if kernel == "recurrent" or (record and T > 1):
-            o, S = kda_recurrent(q, k, v, g, beta, initial_state=S0, output_final_state=want_state, reset=reset)
-        elif T == 1 and S0 is not None and reset is None:
-            o, S = kda_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], S0)
-            o = o[:, None]
-        elif cp is not None:
-            o, S = kda_context_parallel(q, k, v, g, beta, cp, safe_gate=self.gate_kind == "lower_bound",
-                                        reset=reset)
-        else:
-            o, S = kda_chunked(q, k, v, g, beta, initial_state=S0, output_final_state=want_state,
-                               safe_gate=self.gate_kind == "lower_bound", reset=reset)
-        gate = self.g_proj(x) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x))
-        o = gated_rms_norm(o.astype(x.dtype), gate, self.o_norm[...], self.eps)
-        if cache is None:
-            new = None
-        elif record:
-            new = KDAPending(cache, KDARecord(k, v, g, beta, uq, uk, uv))
-        else:
-            new = KDACache(S, *(conv_window_advance(w, u, n_new) for w, u in ((wq, uq), (wk, uk), (wv, uv))))
-        return self.o_proj(o), new
+        u, g, beta = self.token_inputs(x)
+        o, new = self.mix(u, g, beta, cache=cache, n_new=n_new, reset=reset, kernel=kernel, record=record, cp=cp)
+        return self.output(o, x), new
+
+    def forward_groups(self, x: jax.Array, groups: TokenGroups, caches: tuple[KDACache, ...],
+                       n_new: tuple[jax.Array, ...], record: tuple[bool, ...]
+                       ) -> tuple[jax.Array, tuple[KDACache | KDAPending, ...]]:
+        """Several row groups in one call: ``x [1, N, hidden]`` holds every group's tokens (:class:`TokenGroups`);
+        the projections, gates and output run once on all N tokens, the mixing (:meth:`mix`) per group on
+        ``[B_g, T_g, ..]`` with ``caches[g]``, ``n_new[g] [B_g]`` and ``record[g]`` as :meth:`__call__` with a
+        cache does. Returns ``(y [1, N, hidden], the groups' new caches)``."""
+        u, g, beta = self.token_inputs(x)
+        outs, new = [], []
+        for i, (c, n, r) in enumerate(zip(caches, n_new, record, strict=True)):
+            o, c = self.mix(tuple(groups.part(a, i) for a in u), groups.part(g, i), groups.part(beta, i),
+                            cache=c, n_new=n, record=r)
+            outs.append(o)
+            new.append(c)
+        return self.output(groups.join(outs), x), tuple(new)

@@ -96,3 +96,41 @@ class RMSNorm(nnx.Module):
         from k3jax.ops.norm import rms_norm
 
         return rms_norm(x, self.weight[...], self.eps)
+
+
+class TokenGroups:
+    """Row groups of shapes ``(B_g, T_g)`` laid out as one token axis: each group flattened row-major, the groups
+    concatenated, ``N = Σ_g B_g·T_g`` tokens — what a grouped forward runs its token-wise work on (``[1, N, …]``,
+    one read of every weight) while the sequence mixing runs per group on ``[B_g, T_g, …]`` views."""
+
+    def __init__(self, shapes):
+        self.shapes = tuple((int(b), int(t)) for b, t in shapes)
+        self.offsets = [0]
+        for b, t in self.shapes:
+            self.offsets.append(self.offsets[-1] + b * t)
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+    @property
+    def n_tokens(self) -> int:
+        return self.offsets[-1]
+
+    def part(self, x: jax.Array, g: int) -> jax.Array:
+        """Group ``g`` of ``x [1, N, …]`` as ``[B_g, T_g, …]``."""
+        (b, t), lo = self.shapes[g], self.offsets[g]
+        return x[0, lo:lo + b * t].reshape(b, t, *x.shape[2:])
+
+    def split(self, x: jax.Array) -> list[jax.Array]:
+        """``x [1, N, …]`` → one ``[B_g, T_g, …]`` per group."""
+        return [self.part(x, g) for g in range(len(self))]
+
+    def join(self, xs) -> jax.Array:
+        """One ``[B_g, T_g, …]`` per group → ``[1, N, …]`` (the inverse of :meth:`split`)."""
+        if len(xs) != len(self):
+            raise ValueError(f"TokenGroups.join: {len(xs)} arrays for {len(self)} groups")
+        for g, (x, s) in enumerate(zip(xs, self.shapes)):
+            if tuple(x.shape[:2]) != s:
+                raise ValueError(f"TokenGroups.join: group {g} has shape {x.shape}, expected rows {s}")
+        flat = [x.reshape(-1, *x.shape[2:]) for x in xs]
+        return (flat[0] if len(flat) == 1 else jnp.concatenate(flat, axis=0))[None]

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.config import K3Config
-from k3jax.nn.cache import MLACache
-from k3jax.nn.layers import KeyGen, Proj, RMSNorm
+from k3jax.nn.cache import MLACache, PagedMLACache
+from k3jax.nn.layers import KeyGen, Proj, RMSNorm, TokenGroups
 from k3jax.ops.attention import mla_attention
 from k3jax.parallel.context import ContextParallel, mla_attention_context_parallel
 
@@ -22,6 +22,10 @@ class MLAttention(nnx.Module):
 
     c_q = RMSNorm(x W_qa) (or no q LoRA), Q = c_q W_qb → (q_n, q_r); [c_kv | k_r] = x W_kva, c_kv normed;
     [k_n | v] = c_kv W_kvb; softmax((q_n·k_n + q_r·k_r)/√(d_n+d_r)) v; optional σ(x W_g) gate; o_proj.
+
+    With a cache, token-wise parts (:meth:`queries`, :meth:`latent`, :meth:`absorb`, :meth:`expand`,
+    :meth:`output`) and the per-sequence append + attention (:meth:`attend_cache`) are separate methods, shared by
+    :meth:`__call__` and :meth:`forward_groups` (several row groups, the token-wise parts run once on all tokens).
     """
 
     def __init__(self, cfg: K3Config, *, keys: KeyGen):
@@ -55,6 +59,36 @@ class MLAttention(nnx.Module):
         ckv = self.kv_a_proj_with_mqa(x)
         return self.kv_a_layernorm(ckv[..., : self.r_kv]), ckv[..., self.r_kv:]
 
+    def absorb(self, q_n: jax.Array, dtype) -> jax.Array:
+        """Queries moved into the latent space: ``q_lat = q_n W_k`` ``[.., T, nh, r_kv]`` (fp32 or wider; ``dtype``:
+        the activations')."""
+        f32 = jnp.promote_types(dtype, jnp.float32)
+        return jnp.einsum("btnd,rnd->btnr", q_n.astype(f32), self.kv_b_proj.kernel[...][..., : self.dn].astype(f32),
+                          precision=jax.lax.Precision.HIGHEST)
+
+    def expand(self, o_lat: jax.Array, dtype) -> jax.Array:
+        """Latent outputs back to the heads' values: ``o = o_lat W_v`` ``[.., T, nh, dv]`` in ``dtype``."""
+        f32 = jnp.promote_types(dtype, jnp.float32)
+        return jnp.einsum("btnr,rnd->btnd", o_lat, self.kv_b_proj.kernel[...][..., self.dn:].astype(f32),
+                          precision=jax.lax.Precision.HIGHEST).astype(dtype)
+
+    def attend_cache(self, q_lat: jax.Array, q_r: jax.Array, c_kv: jax.Array, k_r: jax.Array, cache: MLACache,
+                     pos: jax.Array, n_new: jax.Array) -> tuple[jax.Array, MLACache]:
+        """The sequence mixing of one row group against its cache: append the chunk's latents ``c_kv [B, T, R]``,
+        ``k_r [B, T, Dr]`` at ``pos[b] + t`` (first ``n_new[b]`` tokens), then the absorbed attention of
+        ``q_lat [B, T, nh, R]``, ``q_r`` over positions ``< pos + n_new``, causal → ``(o_lat [B, T, nh, R],
+        new cache)``."""
+        T = q_lat.shape[1]
+        cache = cache.append(c_kv, k_r, pos, n_new)
+        q_pos = pos[:, None] + jnp.arange(T, dtype=pos.dtype)[None, :]
+        return cache.attend(q_lat, q_r, q_pos, pos + n_new, self.scale), cache
+
+    def output(self, o: jax.Array, x: jax.Array) -> jax.Array:
+        """Heads ``o [.., T, nh, dv]`` → optional σ(x W_g) gate → o_proj → ``[.., T, hidden]``."""
+        if self.output_gate:
+            o = o * jax.nn.sigmoid(self.g_proj(x))
+        return self.o_proj(o)
+
     def __call__(self, x: jax.Array, *, cache: MLACache | None = None, pos: jax.Array | None = None,
                  n_new: jax.Array | None = None, segment_ids: jax.Array | None = None,
                  cp: ContextParallel | None = None) -> tuple[jax.Array, MLACache | None]:
@@ -85,15 +119,34 @@ class MLAttention(nnx.Module):
             B, T = x.shape[:2]
             if n_new is None:
                 n_new = jnp.full((B,), T, jnp.int32)
-            cache = cache.append(c_kv, k_r, pos, n_new)
-            w = self.kv_b_proj.kernel[...]                                        # [R, nh, dn + dv]
-            f32 = jnp.promote_types(x.dtype, jnp.float32)
-            q_lat = jnp.einsum("btnd,rnd->btnr", q_n.astype(f32), w[..., : self.dn].astype(f32),
-                               precision=jax.lax.Precision.HIGHEST)
-            q_pos = pos[:, None] + jnp.arange(T, dtype=pos.dtype)[None, :]
-            o_lat = cache.attend(q_lat, q_r, q_pos, pos + n_new, self.scale)
-            o = jnp.einsum("btnr,rnd->btnd", o_lat, w[..., self.dn:].astype(f32),
-                           precision=jax.lax.Precision.HIGHEST).astype(x.dtype)
-        if self.output_gate:
-            o = o * jax.nn.sigmoid(self.g_proj(x))
-        return self.o_proj(o), cache
+            o_lat, cache = self.attend_cache(self.absorb(q_n, x.dtype), q_r, c_kv, k_r, cache, pos, n_new)
+            o = self.expand(o_lat, x.dtype)
+        return self.output(o, x), cache
+
+    def forward_groups(self, x: jax.Array, groups: TokenGroups, caches: tuple[MLACache | PagedMLACache, ...],
+                       pos: tuple[jax.Array, ...], n_new: tuple[jax.Array, ...]
+                       ) -> tuple[jax.Array, tuple[MLACache | PagedMLACache, ...]]:
+        """Several row groups in one call: ``x [1, N, hidden]`` holds every group's tokens (:class:`TokenGroups`);
+        the projections, the absorption (``q_n W_k``, ``o_lat W_v``) and the output run once on all N tokens, the
+        append + attention (:meth:`attend_cache`) per group at ``pos[g] [B_g]`` with ``n_new[g]``.
+
+        Paged caches share one page pool: group g appends into the pool group g−1 returned, and every returned
+        cache carries the final pool (each group's page-table rows, all groups' tokens), so writing the groups'
+        caches back into the slot pool in any order keeps every token. Returns ``(y [1, N, hidden], caches)``."""
+        q_n, q_r = self.queries(x)
+        c_kv, k_r = self.latent(x)
+        q_lat = self.absorb(q_n, x.dtype)
+        outs, new = [], []
+        pool = None                                                       # the shared pages, threaded
+        for i, (c, p, n) in enumerate(zip(caches, pos, n_new, strict=True)):
+            paged = isinstance(c, PagedMLACache)
+            if paged and pool is not None:
+                c = c.with_pool(*pool)
+            part = lambda a: groups.part(a, i)  # noqa: E731
+            o_lat, c = self.attend_cache(part(q_lat), part(q_r), part(c_kv), part(k_r), c, p, n)
+            if paged:
+                pool = c.pool
+            outs.append(o_lat)
+            new.append(c)
+        new = [c.with_pool(*pool) if isinstance(c, PagedMLACache) else c for c in new]
+        return self.output(self.expand(groups.join(outs), x.dtype), x), tuple(new)

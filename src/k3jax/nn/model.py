@@ -10,9 +10,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.config import K3Config
-from k3jax.nn.cache import Cache, LayerCache
+from k3jax.nn.cache import Cache, LayerCache, PagedMLACache
 from k3jax.nn.kda import KDAttention
-from k3jax.nn.layers import KeyGen, Proj, RMSNorm, param
+from k3jax.nn.layers import KeyGen, Proj, RMSNorm, TokenGroups, param
 from k3jax.nn.mla import MLAttention
 from k3jax.nn.moe import MLP, MoE, RoutingStats
 from k3jax.ops.attnres import attnres_mix
@@ -66,13 +66,20 @@ class DecoderLayer(nnx.Module):
         ``x`` is the running partial sum ``[B, T, hidden]``, ``blocks`` the sealed AttnRes blocks. With ``cache``
         the attention continues it (chunk at ``pos[b] + t``, first ``n_new[b]`` tokens real). Returns
         ``(partial sum, blocks, new layer cache or None, routing stats of a MoE layer or None)``."""
-        def attend(a: jax.Array) -> tuple[jax.Array, LayerCache | None]:
-            h = self.input_layernorm(a)
+        def attend(h: jax.Array) -> tuple[jax.Array, LayerCache | None]:
             if self.kind == "kda":
                 return self.self_attn(h, cache=cache, n_new=n_new, segment_ids=segment_ids, kernel=kda_kernel,
                                       record=kda_record, cp=cp)
             return self.self_attn(h, cache=cache, pos=pos, n_new=n_new, segment_ids=segment_ids, cp=cp)
 
+        return self.stream(x, blocks, attend, moe_grouped=moe_grouped, ep=ep, router_scores=router_scores)
+
+    def stream(self, x: jax.Array, blocks: list[jax.Array], attend, *, moe_grouped: bool = True,
+               ep: ExpertParallel | None = None, router_scores: bool = False
+               ) -> tuple[jax.Array, list[jax.Array], object, RoutingStats | None]:
+        """The layer around its sequence mixer: ``attend(h)`` → ``(y, cache)`` with ``h = input_norm(a)`` the
+        normed AttnRes read (or the residual) ``[.., T, hidden]``; then the FFN read, the FFN and the partial sum.
+        Returns ``(partial sum, blocks, what attend returned as its cache, routing stats or None)``."""
         def ffn(m: jax.Array) -> tuple[jax.Array, RoutingStats | None]:
             h = self.post_attention_layernorm(m)
             if self.is_moe:
@@ -80,7 +87,7 @@ class DecoderLayer(nnx.Module):
             return self.mlp(h), None
 
         if not self.attn_res:
-            y, cache = attend(x)
+            y, cache = attend(self.input_layernorm(x))
             x = x + y
             f, stats = ffn(x)
             return x + f, blocks, cache, stats
@@ -89,11 +96,26 @@ class DecoderLayer(nnx.Module):
         sealed = self.idx % self.block_size == 0
         if sealed:                                                       # seal after the read, before attention
             blocks = blocks + [p]
-        y, cache = attend(a)
+        y, cache = attend(self.input_layernorm(a))
         p = y if sealed else p + y                                       # the partial sum restarts after a seal
         m = self.mlp_res(blocks, p)
         f, stats = ffn(m)
         return p + f, blocks, cache, stats
+
+    def forward_groups(self, x: jax.Array, blocks: list[jax.Array], groups: TokenGroups, caches: tuple,
+                       pos: tuple[jax.Array, ...], n_new: tuple[jax.Array, ...], record: tuple[bool, ...]
+                       ) -> tuple[jax.Array, list[jax.Array], tuple]:
+        """:meth:`__call__` over several row groups at once: ``x [1, N, hidden]`` and ``blocks`` hold every group's
+        tokens (:class:`TokenGroups`); group g continues ``caches[g]`` at ``pos[g] [B_g]`` with ``n_new[g]``
+        (``record[g]``: a KDA layer returns :class:`~k3jax.nn.cache.KDAPending`). Norms, AttnRes reads and the FFN
+        run on all N tokens. Returns ``(partial sum, blocks, the groups' new layer caches)``."""
+        def attend(h: jax.Array) -> tuple[jax.Array, tuple]:
+            if self.kind == "kda":
+                return self.self_attn.forward_groups(h, groups, caches, n_new, record)
+            return self.self_attn.forward_groups(h, groups, caches, pos, n_new)
+
+        x, blocks, caches, _ = self.stream(x, blocks, attend)
+        return x, blocks, caches
 
 
 class CausalLMOutput(NamedTuple):
@@ -123,10 +145,7 @@ class K3Model(nnx.Module):
         """Final hidden states ``[B, T, hidden]``, the layers' new caches (or None) and the MoE layers' stats.
         ``embeds = (rows [B, T, hidden], mask [B, T] bool)``: where ``mask``, ``rows`` replace the token embedding
         (image features spliced at ``<|media_pad|>`` positions)."""
-        x = jnp.take(self.embed_tokens[...], input_ids, axis=0)
-        if embeds is not None:
-            rows, mask = embeds
-            x = jnp.where(mask[..., None], rows.astype(x.dtype), x)
+        x = self.embed(input_ids, embeds)
         cp = kw.get("cp")
         if cp is not None and cp.active and cache is None:
             x = cp.constrain(x)                          # tokens stay on the rank that owns their time slice
@@ -139,9 +158,47 @@ class K3Model(nnx.Module):
             new.append(c)
             if st is not None:
                 stats.append(st)
+        return self.read_out(x, blocks), (tuple(new) if cache is not None else None), stats
+
+    def embed(self, input_ids: jax.Array, embeds: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+        """Token embeddings ``[.., T, hidden]``, ``rows`` where ``mask`` when ``embeds = (rows, mask)``."""
+        x = jnp.take(self.embed_tokens[...], input_ids, axis=0)
+        if embeds is not None:
+            rows, mask = embeds
+            x = jnp.where(mask[..., None], rows.astype(x.dtype), x)
+        return x
+
+    def read_out(self, x: jax.Array, blocks: list[jax.Array]) -> jax.Array:
+        """The final hidden states: the output AttnRes read of the last partial sum ``x`` (or ``x``), normed."""
         if self.attn_res:
             x = self.output_attn_res(blocks, x)
-        return self.norm(x), (tuple(new) if cache is not None else None), stats
+        return self.norm(x)
+
+    def forward_groups(self, input_ids: tuple[jax.Array, ...], caches: tuple[Cache, ...],
+                       n_new: tuple[jax.Array, ...], embeds: tuple, record: tuple[bool, ...]
+                       ) -> tuple[tuple[jax.Array, ...], tuple[tuple, ...]]:
+        """Row groups ``input_ids[g] [B_g, T_g]`` continuing ``caches[g]`` in one pass: every token-wise step runs
+        once on the groups' tokens concatenated (``[1, N, hidden]``, N = Σ B_g·T_g), the sequence mixing per group
+        (:meth:`DecoderLayer.forward_groups`). ``embeds[g]``: None or ``(rows, mask)``. Returns the final hidden
+        states ``[B_g, T_g, hidden]`` and the new layer caches, per group (inputs checked by the caller)."""
+        groups = TokenGroups(ids.shape for ids in input_ids)
+        flat_embeds = None
+        if any(e is not None for e in embeds):
+            H, dt = self.embed_tokens.shape[1], self.embed_tokens.dtype
+            flat_embeds = (groups.join([jnp.zeros(ids.shape + (H,), dt) if e is None else e[0].astype(dt)
+                                        for ids, e in zip(input_ids, embeds)]),
+                           groups.join([jnp.zeros(ids.shape, bool) if e is None else e[1]
+                                        for ids, e in zip(input_ids, embeds)]))
+        x = self.embed(groups.join(input_ids), flat_embeds)                         # [1, N, hidden]
+        pos = tuple(c.lengths for c in caches)
+        blocks: list[jax.Array] = []
+        new: list[list] = [[] for _ in caches]
+        for i, layer in enumerate(self.layers):
+            x, blocks, cs = layer.forward_groups(x, blocks, groups, tuple(c.layers[i] for c in caches), pos, n_new,
+                                                 record)
+            for g, c in enumerate(cs):
+                new[g].append(c)
+        return tuple(groups.split(self.read_out(x, blocks))), tuple(tuple(n) for n in new)
 
 
 class K3ForCausalLM(nnx.Module):
@@ -206,6 +263,67 @@ class K3ForCausalLM(nnx.Module):
         new_cache = None if cache is None else (Cache(tuple(layers), cache.lengths) if kda_record
                                                 else cache.advance(layers, n_new))
         return CausalLMOutput(self.head(h), counts, new_cache, scores)
+
+    def forward_groups(self, input_ids: tuple, caches: tuple, n_new: tuple, *, embeds: tuple | None = None,
+                       kda_record: tuple | None = None) -> tuple[tuple[jax.Array, ...], tuple[Cache, ...]]:
+        """Several row groups of different shapes in one forward (one read of every weight): group g is
+        ``input_ids[g] [B_g, T_g]`` continuing ``caches[g]`` (batch B_g, e.g. a ``read_slots`` view of a slot pool)
+        with ``n_new[g] [B_g]`` real tokens per row — decode rows ``[b, 1]`` beside a prefill chunk ``[1, C]``,
+        or verification rows ``[b, k+1]`` (``kda_record[g]`` True) beside one.
+
+        Group g gets what ``model(input_ids[g], cache=caches[g], n_new=n_new[g], embeds=embeds[g],
+        kda_record=kda_record[g])`` computes: every token-wise step runs once on all Σ B_g·T_g tokens, the KDA
+        recurrence and MLA attention per group. ``embeds[g]``: None or ``(rows [B_g, T_g, hidden], mask [B_g,
+        T_g])``. Paged MLA caches share one page pool: every returned cache carries the pool with all groups'
+        tokens, so writing them back (``Cache.write_slots``) in any order keeps every group's appends.
+
+        Returns ``(hidden, caches)``: the final (normed) hidden states ``[B_g, T_g, hidden]`` per group (logits:
+        :meth:`head` of the rows wanted) and the per-group caches (lengths advanced by ``n_new[g]``, or pending for
+        a recording group).
+        """
+        input_ids, caches, n_new, embeds, record = self._check_groups(input_ids, caches, n_new, embeds, kda_record)
+        hidden, layers = self.model.forward_groups(input_ids, caches, n_new, embeds, record)
+        new = tuple(Cache(ls, c.lengths) if r else c.advance(ls, n)
+                    for ls, c, n, r in zip(layers, caches, n_new, record))
+        return hidden, new
+
+    def _check_groups(self, input_ids, caches, n_new, embeds, kda_record) -> tuple[tuple, ...]:
+        """:meth:`forward_groups`' inputs as tuples of one entry per group (ids and ``n_new`` as arrays, ``embeds``
+        and ``kda_record`` filled in), or a ValueError naming the argument."""
+        G = len(input_ids)
+        if G == 0:
+            raise ValueError("input_ids: expected at least one group")
+        embeds = (None,) * G if embeds is None else tuple(embeds)
+        record = (False,) * G if kda_record is None else tuple(bool(r) for r in kda_record)
+        for name, v in (("caches", caches), ("n_new", n_new), ("embeds", embeds), ("kda_record", record)):
+            if len(v) != G:
+                raise ValueError(f"{name}: {len(v)} groups, input_ids has {G}")
+        ids, nn, L, H = [], [], len(self.model.layers), self.config.hidden_size
+        for g, (x, c, n, e) in enumerate(zip(input_ids, caches, n_new, embeds)):
+            x, n = jnp.asarray(x), jnp.asarray(n)
+            if x.ndim != 2 or not jnp.issubdtype(x.dtype, jnp.integer):
+                raise ValueError(f"input_ids[{g}]: expected integer ids of shape [B, T], got {x.dtype}{x.shape}")
+            if x.size == 0:
+                raise ValueError(f"input_ids[{g}]: an empty group {x.shape}")
+            if not isinstance(c, Cache) or len(c.layers) != L:
+                raise ValueError(f"caches[{g}]: expected a Cache with {L} layer caches")
+            if c.batch != x.shape[0]:
+                raise ValueError(f"caches[{g}]: batch {c.batch} != input_ids[{g}] batch {x.shape[0]}")
+            if n.shape != (x.shape[0],) or not jnp.issubdtype(n.dtype, jnp.integer):
+                raise ValueError(f"n_new[{g}]: expected integers of shape ({x.shape[0]},), got {n.dtype}{n.shape}")
+            if e is not None and (e[0].shape != x.shape + (H,) or e[1].shape != x.shape):
+                raise ValueError(f"embeds[{g}]: expected rows {x.shape + (H,)} and mask {x.shape}, got "
+                                 f"{e[0].shape} and {e[1].shape}")
+            ids.append(x)
+            nn.append(n)
+        for i in range(L):
+            kinds = [type(c.layers[i]) for c in caches]
+            if PagedMLACache in kinds and any(k is not PagedMLACache for k in kinds):
+                raise ValueError(f"caches: layer {i} is paged in some groups and not in others (one slot pool)")
+            pools = {tuple(x.shape for x in c.layers[i].pool) for c in caches if kinds[0] is PagedMLACache}
+            if len(pools) > 1:
+                raise ValueError(f"caches: layer {i}'s page pools differ in shape across groups {sorted(pools)}")
+        return tuple(ids), tuple(caches), tuple(nn), embeds, record
 
     def head(self, h: jax.Array) -> jax.Array:
         """Logits ``[..., vocab]`` from final hidden states."""
