@@ -40,28 +40,22 @@ def models():
     return {k: K3ForCausalLM(config(k), rngs=nnx.Rngs(1)) for k in ("mixed", "kda", "mla")}
 
 
-def decode_through(engine: Engine, ids: np.ndarray, prefix: int) -> np.ndarray:
-    """Logits for positions prefix−1 … T−1: prefill ``ids[:, :prefix]``, then feed the rest one token at a time."""
-    cache, last, lengths = engine.prefill(list(ids[:, :prefix]), max_new_tokens=ids.shape[1] - prefix)
-    out = [np.asarray(last)]
-    for t in range(prefix, ids.shape[1]):
-        _, lg, cache = engine._decode(engine.state, cache, jnp.asarray(ids[:, t], jnp.int32),
-                                      jax.random.key(0), jnp.float32(0), jnp.int32(0), jnp.float32(1))
-        out.append(np.asarray(lg))
-    return np.stack(out, 1)
-
-
 @pytest.mark.parametrize("kind", ["mixed", "kda", "mla"])
 def test_prefix_prefill_plus_decode_equals_full_forward(models, kind, rng):
+    """The scoring prefill's logits at every position, and generation's (the serving scheduler and runner: chunked
+    prefill of 20 tokens — one full chunk of 16, one padded — then 25 one-token decode steps over the paged cache,
+    two prompts decoded together) at every generated position, against the full forward of the same sequence."""
     model = models[kind]
     ids = rng.integers(0, model.config.vocab_size, (2, 45)).astype(np.int32)
     full = np.asarray(jit_forward(model, jnp.asarray(ids)).logits)
     engine = Engine(model, chunk=16)                      # 3 prefill chunks, the last one padded
     _, all_logits, _ = engine.prefill(list(ids), all_logits=True)
     assert np.max(np.abs(np.asarray(all_logits) - full)) <= 1e-4
-    got = decode_through(engine, ids, 20)                  # prefill 20 (chunks of 16: one full, one padded) + 25
-    assert np.max(np.abs(got - full[:, 19:])) <= 1e-4                 # positions 19 … 44
-    assert engine.traces == {"prefill": 2, "decode": 1}   # all_logits variant + last-logits variant; one decode
+    res = engine.generate([row[:20] for row in ids], 25, record_logits=True)
+    seqs = np.array([list(row[:20]) + t for row, t in zip(ids, res.tokens)], np.int32)      # 2 × 45, like ids
+    full = np.asarray(jit_forward(model, jnp.asarray(seqs)).logits)
+    assert np.max(np.abs(np.stack(res.logits) - full[:, 19:44])) <= 1e-4        # positions 19 … 43
+    assert set(engine.traces) == {"score", "prefill", "decode", "decode+prefill"}
 
 
 def test_batched_prompts_equal_one_by_one(models, rng):
@@ -108,8 +102,9 @@ def test_decode_never_recompiles_and_cache_is_constant_for_kda(models):
     model = models["mixed"]
     engine = Engine(model, chunk=32)       # chunk 32: the one-prompt steps test_batched_prompts compiled (cache hits)
     engine.generate([[1, 2, 3]], 40)
+    first = dict(engine.traces)
     engine.generate([[4, 5, 6, 7, 8]], 40)                  # same batch and bucket: nothing new to compile
-    assert engine.traces == {"prefill": 1, "decode": 1}
+    assert engine.traces == first == {"prefill": 1, "decode": 1}
     cfg = model.config
     small, big = cache_bytes(init_cache(cfg, 1, 256)), cache_bytes(init_cache(cfg, 1, 4096))
     assert small["kda_recurrent_state"] == big["kda_recurrent_state"] > 0

@@ -9,7 +9,8 @@ import pytest
 from flax import nnx
 
 from k3jax import K3Config, K3ForCausalLM
-from k3jax.infer.scheduler import PageAllocator, prefill_buckets
+from k3jax.infer.config import prefill_buckets
+from k3jax.infer.slots import PageAllocator
 from k3jax.nn.cache import Cache, MLACache, PagedMLACache, init_cache, init_paged_cache
 from k3jax.ops.attention import mla_latent_attention, paged_block_pages
 

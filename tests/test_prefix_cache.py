@@ -2,9 +2,9 @@
 (≤ 1e-5, fp32) of the same request with the cache off, on the ``test`` preset (3 KDA + 2 MLA layers, every K3
 feature). One scheduler (4 slots, 96-token pages so 512-token blocks end inside a page and partial pages are
 copied on write, ``prefix_verify`` on: every hit is also recomputed from scratch through the contiguous cache) runs
-on its thread for the whole module; after every step the index's invariants are checked (``PrefixCache.check``)."""
+on its thread for the whole module; after every step the index's and the slot pool's invariants are checked
+(``Scheduler.check``). The tests change engine state only through ``Scheduler.call`` (on the scheduler thread)."""
 
-import threading
 import time
 
 import numpy as np
@@ -12,6 +12,7 @@ import pytest
 from flax import nnx
 
 from k3jax import K3Config, K3ForCausalLM
+from k3jax.infer import EngineConfig
 from k3jax.infer.prefix_cache import block_hashes
 from k3jax.infer.scheduler import SamplingParams, Scheduler
 
@@ -22,18 +23,14 @@ PAGE, BLOCK, MAX_LEN = 96, 512, 2048
 def sched():
     cfg = K3Config.from_preset("test")
     model = K3ForCausalLM(cfg, rngs=nnx.Rngs(3))
-    s = Scheduler(model, max_slots=4, max_model_len=MAX_LEN, page_size=PAGE, chunk=128, record_logits=True,
-                  prefix_verify=True, prefix_stride=4)
+    s = Scheduler(model, EngineConfig(max_slots=4, max_model_len=MAX_LEN, page_size=PAGE, chunk=128,
+                                      record_logits=True, prefix_cache_verify=True, prefix_cache_stride=4))
     s.warmup()
     errors = []
-    # the tests change the index and the page pool from their own thread only when the scheduler is idle, but its
-    # last step's hooks may still be running then: they hold this lock while checking, the tests while changing
-    s.index_lock = threading.Lock()
 
     def check():
         try:
-            with s.index_lock:
-                s.prefix.check()
+            s.check(exact=False)                      # the tests hold pages of the pool themselves at times
         except AssertionError as e:  # recorded: the scheduler thread would only log it
             errors.append(repr(e))
             raise
@@ -76,8 +73,8 @@ def assert_same(sched, r, n=4):
 
 
 def verified(sched) -> dict:
-    s = sched.prefix.stats
-    assert s["verify_failures"] == 0, sched.verify_log[-3:]
+    s = sched.call(lambda: dict(sched.prefix.index.stats))
+    assert s["verify_failures"] == 0, sched.prefix.verify_log[-3:]
     return s
 
 
@@ -121,7 +118,7 @@ def test_multi_turn_chat_hits_the_end_of_each_turn(sched):
 def test_two_requests_racing_on_one_prefix(sched):
     P = tokens(7, 1100)
     a_prompt, b_prompt = P + tokens(70, 60), P + tokens(71, 60)
-    with sched._cv:                                   # both reach the scheduler in the same step
+    with sched.batched():                             # both reach the scheduler in the same step
         a = sched.submit(a_prompt, SamplingParams(max_tokens=4, ignore_eos=True))
         b = sched.submit(b_prompt, SamplingParams(max_tokens=4, ignore_eos=True))
     a.result(timeout=300), b.result(timeout=300)
@@ -133,7 +130,7 @@ def test_two_requests_racing_on_one_prefix(sched):
     assert_same(sched, c)
     # one node per boundary whatever the race: the keys are the two prompts' chains, no duplicates
     keys = set(block_hashes(a_prompt, BLOCK)) | set(block_hashes(b_prompt, BLOCK))
-    assert keys <= set(sched.prefix.nodes)
+    assert keys <= sched.call(lambda: set(sched.prefix.index.nodes))
     verified(sched)
 
 
@@ -149,33 +146,37 @@ def test_eviction_under_a_tiny_budget_and_a_small_pool(sched):
     evicted (for the budget and for live requests' pages): every answer still equals the uncached one and the
     budget holds after every step (unless all that is left is pinned)."""
     wait_idle(sched)
-    P = sched.prefix
+    P, alloc = sched.prefix.index, sched.pool.alloc
     old_budget = P.budget
     over = []
     hook = lambda: over.append(P.held_bytes() - P.budget) if P.held_bytes() > P.budget and P.evictable() else None  # noqa: E731
-    with sched.index_lock:
+
+    def squeeze():
         P.clear()
-        P.budget = sched.checkpoint_bytes + 8 * P.page_bytes
+        P.budget = sched.runner.checkpoint_bytes() + 8 * P.page_bytes
         sched.step_hooks.append(hook)
-        held = sched.alloc.alloc(sched.alloc.free - 40)    # 40 pages (3840 tokens) left for everything
+        return alloc.alloc(alloc.free - 40)                # 40 pages (3840 tokens) left for everything
+
+    held = sched.call(squeeze)
     ev0 = P.stats["evictions"]
     try:
         roots = [tokens(900 + i, 1100) for i in range(3)]
         prompts = [roots[i % 3] + tokens(950 + i, 80) for i in range(9)]
         reqs = []
         for k in range(0, 9, 3):
-            with sched._cv:
+            with sched.batched():
                 reqs += [sched.submit(p, SamplingParams(max_tokens=4, ignore_eos=True)) for p in prompts[k:k + 3]]
             for r in reqs[-3:]:
                 r.result(timeout=300)
         wait_idle(sched)
     finally:
-        with sched.index_lock:
+        def restore():
             sched.step_hooks.remove(hook)
-            sched.alloc.release(held)
+            alloc.release(held)
             P.budget = old_budget
+        sched.call(restore)
     assert not over, over[:5]
-    assert P.stats["evictions"] > ev0
+    assert sched.call(lambda: P.stats["evictions"]) > ev0
     for r in reqs:
         assert_same(sched, r)
     verified(sched)
@@ -186,15 +187,20 @@ def test_random_workloads_never_restore_a_state_without_its_pages(sched):
     the invariants hold after every step (every node's pages are held and not free, its parent cached), every hit
     verifies against its recomputation, every answer equals the uncached one."""
     wait_idle(sched)
-    P = sched.prefix
+    P, alloc = sched.prefix.index, sched.pool.alloc
     rng = np.random.default_rng(11)
     roots = [tokens(700 + i, 1400) for i in range(3)]
     old_budget = P.budget
     reqs = []
     for round_ in range(3):
-        with sched.index_lock:
-            P.budget = int(rng.integers(1, 4)) * sched.checkpoint_bytes + int(rng.integers(4, 30)) * P.page_bytes
-            held = sched.alloc.alloc(sched.alloc.free - int(rng.integers(36, 60)))
+        budget = int(rng.integers(1, 4)) * sched.runner.checkpoint_bytes() + int(rng.integers(4, 30)) * P.page_bytes
+        keep = int(rng.integers(36, 60))
+
+        def squeeze():
+            P.budget = budget
+            return alloc.alloc(alloc.free - keep)
+
+        held = sched.call(squeeze)
         try:
             for _ in range(2):
                 batch = []
@@ -202,20 +208,20 @@ def test_random_workloads_never_restore_a_state_without_its_pages(sched):
                     root = roots[int(rng.integers(3))]
                     cut = int(rng.integers(300, 1400))
                     batch.append(root[:cut] + tokens(int(rng.integers(10 ** 6)), int(rng.integers(1, 200))))
-                with sched._cv:
+                with sched.batched():
                     reqs += [sched.submit(p, SamplingParams(max_tokens=3, ignore_eos=True)) for p in batch]
                 for r in reqs[-len(batch):]:
                     r.result(timeout=300)
             wait_idle(sched)
         finally:
-            with sched.index_lock:
-                sched.alloc.release(held)
-    P.budget = old_budget
+            sched.call(lambda: alloc.release(held))
+    sched.call(lambda: setattr(P, "budget", old_budget))
     assert sum(r.cached_tokens > 0 for r in reqs) >= 3
     for r in reqs:
         assert_same(sched, r, n=3)
-    for node in P.nodes.values():
-        assert all(not sched.alloc.is_free(p) for p in node.pages)
+    nodes = sched.call(lambda: [(list(n.pages), [alloc.is_free(p) for p in n.pages]) for n in P.nodes.values()])
+    for pages, free in nodes:
+        assert not any(free), pages
     verified(sched)
 
 
@@ -223,19 +229,23 @@ def test_verify_catches_a_corrupted_checkpoint_and_loses_nothing(sched):
     P0 = tokens(31, 700)
     first = run(sched, P0 + tokens(32, 20))
     wait_idle(sched)
-    node = sched.prefix.nodes[block_hashes(P0, BLOCK)[0]]
-    ck = node.checkpoint
-    rows = tuple(type(r)(r.state + 1.0, r.conv_q, r.conv_k, r.conv_v) for r in ck.rows)
-    node.checkpoint = type(ck)(rows, ck.logits, ck.nbytes)
-    fails = sched.prefix.stats["verify_failures"]
+    P = sched.prefix.index
+
+    def corrupt():
+        node = P.nodes[block_hashes(P0, BLOCK)[0]]
+        ck = node.checkpoint
+        rows = tuple(type(r)(r.state + 1.0, r.conv_q, r.conv_k, r.conv_v) for r in ck.rows)
+        node.checkpoint = type(ck)(rows, ck.logits, ck.nbytes)
+        return node, P.stats["verify_failures"]
+
+    node, fails = sched.call(corrupt)
     r = run(sched, P0 + tokens(33, 20))
-    assert sched.prefix.stats["verify_failures"] == fails + 1
+    assert sched.call(lambda: P.stats["verify_failures"]) == fails + 1
     assert r.cached_tokens == 0                       # the bad checkpoint was dropped, the request recomputed
     assert_same(sched, r)
     assert first.cached_tokens == 0
-    assert block_hashes(P0, BLOCK)[0] not in sched.prefix.nodes or \
-        sched.prefix.nodes[block_hashes(P0, BLOCK)[0]] is not node
-    sched.prefix.stats["verify_failures"] = fails     # the module's teardown checks for unexpected failures
+    assert sched.call(lambda: P.nodes.get(block_hashes(P0, BLOCK)[0])) is not node
+    sched.call(lambda: P.stats.update(verify_failures=fails))   # the module's teardown checks for unexpected failures
 
 
 def test_snapshot_and_memory_report_the_cache(sched):
@@ -243,7 +253,7 @@ def test_snapshot_and_memory_report_the_cache(sched):
     run(sched, prompt)
     run(sched, prompt)
     wait_idle(sched)
-    snap = sched.snapshot()["prefix"]
+    snap = sched.call(lambda: sched.snapshot())["prefix"]
     for k in ("lookups", "hits", "hit_tokens", "queried_tokens", "hit_rate", "checkpoint_bytes", "evictions",
               "checkpoints", "cached_pages", "budget_bytes"):
         assert k in snap
@@ -255,7 +265,9 @@ def test_snapshot_and_memory_report_the_cache(sched):
     H, D, W = lac.num_heads, lac.head_dim, lac.short_conv_kernel_size
     per_layer = H * D * D * 4 + 3 * (W - 1) * H * D * 4
     assert mem["prefix_checkpoint_bytes"] == 3 * per_layer + cfg.vocab_size * 4
-    assert sched.snapshot()["compiles"] == {"prefill": 2, "decode": 1, "prefix": 5}
+    # prefill chunks (32, 128), decode (4 slots), decode rows + a 32-token chunk in one forward, and the prefix
+    # cache's save / restore / page copy / sample-from-logits / from-scratch verify programs: nothing else compiled
+    assert sched.snapshot()["compiles"] == {"prefill": 2, "decode": 1, "decode+prefill": 1, "prefix": 5}
 
 
 def test_bad_content_keys_are_refused(sched):
@@ -309,7 +321,7 @@ def test_server_reports_cached_tokens_and_prefix_metrics(sched, tmp_path):
         for name in ("lookups_total", "hits_total", "hit_tokens_total", "queried_tokens_total", "evictions_total",
                      "hit_rate", "checkpoint_bytes", "checkpoints", "cached_pages", "budget_bytes"):
             assert f"k3jax_prefix_cache_{name}" in values, name
-        snap = sched.prefix.snapshot()
+        snap = sched.call(sched.prefix.index.snapshot)
         assert values["k3jax_prefix_cache_hit_tokens_total"] == snap["hit_tokens"]
         assert values["k3jax_prefix_cache_checkpoint_bytes"] == snap["checkpoint_bytes"] > 0
     finally:
@@ -337,7 +349,7 @@ def test_image_content_is_in_the_key(sched):
     a, b = (splice_prompt(ids, enc.encode([p]), pad, [p.digest]) for p in pics)
     assert a.ids == b.ids and len(a.ids) == len(ids) + 11 > BLOCK
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
-    failures = sched.prefix.stats["verify_failures"]
+    failures = sched.call(lambda: sched.prefix.index.stats["verify_failures"])
     r1 = sched.submit(None, params, embeds=a)
     r1.result()
     r2 = sched.submit(None, params, embeds=a)
@@ -345,5 +357,5 @@ def test_image_content_is_in_the_key(sched):
     r3 = sched.submit(None, params, embeds=b)
     r3.result()
     assert (r1.cached_tokens, r2.cached_tokens, r3.cached_tokens) == (0, BLOCK, 0)
-    assert r2.tokens == r1.tokens and sched.prefix.stats["verify_failures"] == failures
+    assert r2.tokens == r1.tokens and sched.call(lambda: sched.prefix.index.stats["verify_failures"]) == failures
     assert not sched.errors

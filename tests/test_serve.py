@@ -22,11 +22,12 @@ from flax import nnx
 
 import k3jax
 from k3jax import K3Config, K3ForCausalLM
+from k3jax.infer import EngineConfig
 from k3jax.infer.scheduler import QueueFull, RequestError, SamplingParams
 from k3jax.nn.cache import page_bytes
-import k3jax.serve.app as app_module
+import k3jax.text.stream as stream_module
 from k3jax.serve.app import ServeConfig, create_app
-from k3jax.serve.server import Server, build_server, free_port
+from k3jax.serve.server import Server, ServerOptions, build_server, free_port
 from k3jax.text.chat import encode_chat, parse_assistant
 from k3jax.text.tokenizer import TiktokenTokenizer
 from tokenizer_fixture import CHAT_IDS, write_release_tokenizer
@@ -35,23 +36,41 @@ EOM = CHAT_IDS["<|end_of_msg|>"]          # 258: the config's eos_token_id, as i
 PAGE, PAGES, SLOTS, MAX_LEN = 32, 16, 4, 512
 
 
+def tiny_encoder(hidden: int):
+    """A random tiny vision tower (spec §11 sizes) projecting to the text model's width."""
+    import jax
+
+    from k3jax.nn.layers import KeyGen
+    from k3jax.vision import VisionConfig, VisionEncoder
+    from k3jax.vision.tower import Projector, VisionTower
+    from make_vision_fixture import TINY_VISION_CONFIG
+
+    vc = VisionConfig.from_dict(dict(TINY_VISION_CONFIG, text_hidden_size=hidden))
+    keys = KeyGen(jax.random.key(5))
+    return VisionEncoder(VisionTower(vc, keys=keys), Projector(vc, keys=keys))
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
+    """The module's server. Its engine has a vision encoder, but its app no image policy (images are refused
+    there: ``seeing`` is the app that takes them)."""
     d = tmp_path_factory.mktemp("tokenizer")
     write_release_tokenizer(d)
     tok = TiktokenTokenizer(d)
     cfg = K3Config.from_preset("test").replace(bos_token_id=CHAT_IDS["[BOS]"], eos_token_id=EOM,
                                                pad_token_id=CHAT_IDS["[PAD]"])
     model = K3ForCausalLM(cfg, rngs=nnx.Rngs(7))
-    srv = build_server(model, tokenizer=tok, port=0, max_slots=SLOTS, max_model_len=MAX_LEN, chunk=64,
-                       page_size=PAGE, kv_cache_memory=PAGES * PAGE * page_bytes(cfg), served_model_name="k3-test",
-                       max_queue=64, say=lambda s: None)
+    encoder = tiny_encoder(cfg.hidden_size)
+    engine = EngineConfig(max_slots=SLOTS, max_model_len=MAX_LEN, chunk=64, page_size=PAGE, max_queue=64,
+                          kv_cache_memory=PAGES * PAGE * page_bytes(cfg))
+    srv = build_server(model, engine, ServerOptions(port=0, served_model_name="k3-test"), tokenizer=tok,
+                       encoder=encoder, pad_id=CHAT_IDS["<|media_pad|>"], say=lambda s: None)
     finished = []
     srv.scheduler.finish_hooks.append(lambda r: finished.append((r.id, r.finish_reason, len(r.tokens))))
     srv.start_background()
     client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
     yield types.SimpleNamespace(srv=srv, url=srv.url, model=model, tok=tok, cfg=cfg, client=client,
-                                finished=finished)
+                                finished=finished, encoder=encoder)
     srv.stop()
 
 
@@ -195,7 +214,7 @@ def scripted(served):
     srv.stop()
 
 
-class _WholeTextDecoder(app_module._TextDecoder):
+class _WholeTextDecoder(stream_module.IncrementalDecoder):
     """The server's incremental decoder with its window pinned at the start: the scripted tokenizer's text depends
     on how many ids it is given from the first one, not on the ids themselves."""
 
@@ -206,7 +225,7 @@ class _WholeTextDecoder(app_module._TextDecoder):
 
 
 def test_reasoning_content_and_tool_calls_come_back_apart(served, scripted, monkeypatch):
-    monkeypatch.setattr(app_module, "_TextDecoder", _WholeTextDecoder)
+    monkeypatch.setattr(stream_module, "IncrementalDecoder", _WholeTextDecoder)
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
     kw = dict(model="k3-test", messages=[{"role": "user", "content": "Weather in Paris?"}], tools=tools,
               max_tokens=len(SCRIPT) // 3 + 2, temperature=0, stop=["[END]"],
@@ -283,6 +302,7 @@ def test_load_64_requests_16_clients_equal_offline_then_everything_is_free(serve
     assert after["k3jax_slots_in_use"] == 0 and after["k3jax_queue_length"] == 0
     assert after["k3jax_free_pages"] == after["k3jax_num_pages"] == PAGES
     assert after['k3jax_compiles{step="decode"}'] == 1 and after['k3jax_compiles{step="prefill"}'] == 2
+    assert after['k3jax_compiles{step="decode+prefill"}'] == 1 and after["k3jax_mixed_steps_total"] > 0
     assert after['k3jax_requests_total{endpoint="/v1/completions",status="200"}'] >= 64
     assert after["k3jax_time_to_first_token_seconds_count"] >= before["k3jax_time_to_first_token_seconds_count"] + 64
 
@@ -443,7 +463,7 @@ def test_incremental_detokenizer_and_stop_strings_equal_whole_text(tmp_path):
     strings cut at their first occurrence even when split across deltas."""
     import random
 
-    from k3jax.serve.app import _StopText, _TextDecoder
+    from k3jax.text.stream import IncrementalDecoder, StopStrings
 
     write_release_tokenizer(tmp_path, extra_merges=["中".encode(), "文".encode()[:2]])
     tok = TiktokenTokenizer(tmp_path)
@@ -451,13 +471,13 @@ def test_incremental_detokenizer_and_stop_strings_equal_whole_text(tmp_path):
     for _ in range(200):
         ids = tok.encode_ordinary("héllo 中文 ✓ wörld " * rnd.randint(1, 3)) + \
             [rnd.randrange(0, 258) for _ in range(rnd.randint(0, 5))]
-        dec, out, i = _TextDecoder(tok), "", 0
+        dec, out, i = IncrementalDecoder(tok), "", 0
         while i < len(ids):
             k = rnd.randint(1, 3)
             out += dec.push(ids[i:i + k])
             i += k
         assert out + dec.flush() == tok.decode(ids)
-    st, sent = _StopText(["wör", "zz"]), ""
+    st, sent = StopStrings(["wör", "zz"]), ""
     for piece in ["héllo ", "中文 ✓ w", "ö", "rld"]:
         sent += st.push(piece)
         if st.hit:
@@ -468,24 +488,16 @@ def test_incremental_detokenizer_and_stop_strings_equal_whole_text(tmp_path):
 # ------------------------------------------------------------------------------------------------------ images
 @pytest.fixture(scope="module")
 def seeing(served, tmp_path_factory):
-    """A third app over the same scheduler with a random tiny vision tower (spec §11 sizes) in front of it."""
-    from k3jax.nn.layers import KeyGen
+    """A third app over the same scheduler that takes images (the engine's random tiny vision tower encodes them)."""
     from k3jax.serve.images import ImagePolicy, VisionService
-    from k3jax.vision import MediaConfig, VisionConfig, VisionEncoder
-    from k3jax.vision.tower import Projector, VisionTower
-    from make_vision_fixture import TINY_VISION_CONFIG
+    from k3jax.vision import MediaConfig
 
-    import jax
-
-    vc = VisionConfig.from_dict(dict(TINY_VISION_CONFIG, text_hidden_size=served.cfg.hidden_size))
-    keys = KeyGen(jax.random.key(5))
-    enc = VisionEncoder(VisionTower(vc, keys=keys), Projector(vc, keys=keys))
     d = tmp_path_factory.mktemp("images")
-    service = VisionService(enc, MediaConfig(), CHAT_IDS["<|media_pad|>"], ImagePolicy(image_dir=d))
+    service = VisionService(MediaConfig(), CHAT_IDS["<|media_pad|>"], ImagePolicy(image_dir=d))
     app = create_app(served.srv.scheduler, served.tok, ServeConfig(model_name="k3-test", max_model_len=MAX_LEN,
                                                                     own_scheduler=False), vision=service)
     srv = Server(served.srv.scheduler, None, app, "127.0.0.1", free_port(), "k3-test").start_background()
-    yield types.SimpleNamespace(url=srv.url, service=service, dir=d,
+    yield types.SimpleNamespace(url=srv.url, service=service, dir=d, encoder=served.encoder,
                                 client=openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0,
                                                      timeout=60))
     srv.stop()
@@ -520,7 +532,7 @@ def test_chat_with_a_data_url_image_matches_offline(served, seeing):
     ids = encode_chat(served.tok, [{"role": "user", "content": [{"type": "image"}, "What is this?"]}],
                       thinking=False, image_prompts=[img.prompt()])
     assert img.prompt() == "<|media_begin|>image 70x56<|media_content|><|media_pad|><|media_end|>"
-    mp = splice_prompt(ids, seeing.service.encoder.encode([img]), CHAT_IDS["<|media_pad|>"], [img.digest])
+    mp = splice_prompt(ids, seeing.encoder.encode([img]), CHAT_IDS["<|media_pad|>"], [img.digest])
     from k3jax.infer.engine import _engine_for                # the engine offline() uses: its decode is compiled
 
     want = _engine_for(served.model, 256).generate([mp.ids], 6, embeds=[mp], stop_tokens=[EOM]).tokens[0]

@@ -20,6 +20,8 @@ from flax import nnx
 
 from conftest import jit_forward
 from k3jax import K3Config, K3ForCausalLM
+from k3jax.infer import EngineConfig
+from k3jax.infer.proposers import FunctionProposer, PromptLookup
 from k3jax.infer.sampling import sampling_probs
 from k3jax.infer.scheduler import SamplingParams, Scheduler
 from k3jax.infer.speculative import (AcceptanceTracker, NgramIndex, SpecConfig, emitted_tokens, ngram_propose,
@@ -278,13 +280,28 @@ class Oracle:
 
 @pytest.fixture(scope="module")
 def sched(model):
-    s = Scheduler(model, max_slots=4, max_model_len=MAX_LEN, page_size=PAGE, chunk=CHUNK, prefix_block=BLOCK,
-                  prefix_verify=True, record_logits=True, speculative=SpecConfig("ngram", K, adaptive=False))
+    s = Scheduler(model, EngineConfig(max_slots=4, max_model_len=MAX_LEN, page_size=PAGE, chunk=CHUNK,
+                                      prefix_cache_block=BLOCK, prefix_cache_verify=True, record_logits=True,
+                                      speculative=SpecConfig("ngram", K, adaptive=False)))
     s.warmup()
-    s.warm_compiles = dict(s.traces)
+    s.warm_compiles = dict(s.runner.traces)
     s.start()
     yield s
     s.close()
+
+
+class proposer:
+    """``with proposer(sched, p): …`` — the scheduler drafts with ``p`` inside (set on its thread)."""
+
+    def __init__(self, sched, p):
+        self.sched, self.p = sched, p
+
+    def __enter__(self):
+        self.old = self.sched.call(lambda: self.sched.spec.proposer)
+        self.sched.call(lambda: setattr(self.sched.spec, "proposer", self.p))
+
+    def __exit__(self, *exc):
+        self.sched.call(lambda: setattr(self.sched.spec, "proposer", self.old))
 
 
 _ids = iter(range(10 ** 6))
@@ -323,34 +340,31 @@ def test_greedy_output_is_plain_greedy_for_every_acceptance_pattern(sched):
     """Four requests at a time, each with a different acceptance pattern (so every round's slots keep different
     lengths): tokens equal the plain answer, logits within 1e-5."""
     oracle = Oracle()
-    sched.drafter = oracle
-    try:
+    with proposer(sched, FunctionProposer(oracle)):
         prompts = [tokens(s, n) for s, n in [(1, 30), (2, 70), (3, 5), (4, 100)]]
         for p in prompts:
             oracle.answers[tuple(p)] = reference(sched, p).tokens
-        before = dict(sched.counters)
+        before = sched.call(lambda: dict(sched.spec.counters))
         for modes in (["all", "none", "up1", "up2"], ["rnd", "up2", "all", "none"]):
             reqs = [submit(sched, p, m) for p, m in zip(prompts, modes)]
             for r in reqs:
                 assert_same(sched, r)
-            got = {r.id.split("-")[0]: (r.spec_drafted, r.spec_accepted) for r in reqs}
+            got = {r.id.split("-")[0]: (r.spec.drafted, r.spec.accepted) for r in reqs}
             assert got["all"] == (17, 17)            # 23 tokens after the prefill's: 6 rounds (5 × 4, then 2 + 1)
             assert got["none"][0] > 0 and got["none"][1] == 0
             assert 0 < got["up2"][1] < got["up2"][0]
-        c = sched.counters
+        c = sched.call(lambda: dict(sched.spec.counters))
         assert c["spec_accepted_tokens"] > before["spec_accepted_tokens"] and c["spec_steps"] > before["spec_steps"]
-    finally:
-        sched.drafter = None
 
 
-def test_prompt_lookup_speculates_and_stays_exact(sched, monkeypatch):
+def test_prompt_lookup_speculates_and_stays_exact(sched):
     """Real prompt lookup over a prompt holding most token ids (1-grams: nearly every step finds a match; the random
     model rarely continues the way the prompt did, so most drafts fail): the output is still the plain answer."""
-    monkeypatch.setattr(sched, "spec", dataclasses.replace(sched.spec, prompt_lookup_min=1))
     p = [int(t) for t in np.random.default_rng(5).permutation(480)]
-    r = submit(sched, p, "lookup")
-    assert_same(sched, r)
-    assert r.spec_drafted >= 5 * K, r.spec_drafted
+    with proposer(sched, PromptLookup(1, 4)):
+        r = submit(sched, p, "lookup")
+        assert_same(sched, r)
+    assert r.spec.drafted >= 5 * K, r.spec.drafted
 
 
 def test_a_predicted_output_is_drafted_from(sched):
@@ -361,7 +375,7 @@ def test_a_predicted_output_is_drafted_from(sched):
     pred[10] = (pred[10] + 1) % 512
     r = sched.submit(p, SamplingParams(max_tokens=24, ignore_eos=True), prediction=pred)
     assert_same(sched, r)
-    assert r.spec_accepted >= 12 and r.spec_accepted > r.spec_drafted // 2, (r.spec_drafted, r.spec_accepted)
+    assert r.spec.accepted >= 12 and r.spec.accepted > r.spec.drafted // 2, (r.spec.drafted, r.spec.accepted)
     with pytest.raises(Exception, match="prediction: token ids"):
         sched.submit(p, SamplingParams(max_tokens=4), prediction=[600])
 
@@ -372,8 +386,7 @@ def test_prefix_cache_hits_with_speculation(sched):
     boundary, the round capped to land on it — is what the hit starts from; every hit is recomputed from scratch
     and compared (``prefix_verify``), every answer equals the plain one."""
     oracle = Oracle()
-    sched.drafter = oracle
-    try:
+    with proposer(sched, FunctionProposer(oracle)):
         shared = tokens(20, 150)
         a, b = shared + tokens(21, 20), shared + tokens(22, 20)
         for p in (a, b):
@@ -382,51 +395,54 @@ def test_prefix_cache_hits_with_speculation(sched):
         assert_same(sched, ra, 40)
         rb = submit(sched, b, "rnd", 40)
         assert_same(sched, rb, 40)
-        assert rb.cached_tokens == 128 and rb.spec_accepted > 0
+        assert rb.cached_tokens == 128 and rb.spec.accepted > 0
         turn2 = a + ra.tokens + tokens(23, 10)      # 170 + 40 = 210 crossed 192 in decode
         oracle.answers[tuple(turn2)] = reference(sched, turn2, 24).tokens
         r2 = submit(sched, turn2, "up2")
         assert_same(sched, r2)
         assert r2.cached_tokens == 192
-        s = sched.prefix.stats
-        assert s["verify_failures"] == 0 and s["verified"] >= 2
-    finally:
-        sched.drafter = None
+    s = sched.call(lambda: dict(sched.prefix.index.stats))
+    assert s["verify_failures"] == 0 and s["verified"] >= 2
 
 
 def test_sampled_requests_are_reproducible(sched):
     """Randomness is per token (the seed and the token's number), so two requests with one seed give the same
     tokens though their rounds fall in different steps (the second prefills while the first decodes)."""
     oracle = Oracle()
-    sched.drafter = oracle
-    try:
+    with proposer(sched, FunctionProposer(oracle)):
         p = tokens(30, 40)
         oracle.answers[tuple(p)] = reference(sched, p).tokens
         runs = [submit(sched, p, "all", temperature=0.8, top_k=50, seed=11) for _ in range(2)]
         outs = [r.result(timeout=300) for r in runs]
-        assert outs[0] == outs[1] and len(outs[0]) == 24 and all(r.spec_drafted > 0 for r in runs)
-    finally:
-        sched.drafter = None
+        assert outs[0] == outs[1] and len(outs[0]) == 24 and all(r.spec.drafted > 0 for r in runs)
 
 
-def test_adaptive_fallback_stops_drafting_when_drafts_fail(sched, monkeypatch):
+def test_adaptive_fallback_stops_drafting_when_drafts_fail(sched):
     """With always-wrong drafts a request stops drafting after two rounds, probes once after 16 tokens and, the
     probe failing, stops for 32 (equal measured step costs, so only the acceptance rate decides)."""
     oracle = Oracle()
     p = tokens(40, 30)
     oracle.answers[tuple(p)] = reference(sched, p, 48).tokens
-    monkeypatch.setattr(sched, "spec", dataclasses.replace(sched.spec, adaptive=True))
-    monkeypatch.setattr(sched, "_observe", lambda key, seconds: None)
-    monkeypatch.setattr(sched, "step_seconds", {(kind, b): 1.0 for kind in ("spec", "decode")
-                                                for b in sched.decode_sizes})
-    sched.drafter = oracle
+    sp = sched.spec
+    saved = sched.call(lambda: (sp.config, sp.observe, sp.step_seconds))
+
+    def equal_costs():
+        sp.config = dataclasses.replace(sp.config, adaptive=True)
+        sp.observe = lambda key, seconds: None
+        sp.step_seconds = {(kind, b, 0): 1.0 for kind in ("verify", "decode") for b in sched.sizes.decode}
+
+    sched.call(equal_costs)
     try:
-        r = submit(sched, p, "none", 48)
-        assert_same(sched, r, 48)
+        with proposer(sched, FunctionProposer(oracle)):
+            r = submit(sched, p, "none", 48)
+            assert_same(sched, r, 48)
         # two failed rounds (at tokens 1, 2), off until 18; the probe there fails, off for 32: none in 48 tokens
-        assert r.spec_drafted == 3 * K and r.spec_accepted == 0
+        assert r.spec.drafted == 3 * K and r.spec.accepted == 0
     finally:
-        sched.drafter = None
+        def restore():
+            sp.config, sp.step_seconds = saved[0], saved[2]
+            del sp.observe                                # the method again
+        sched.call(restore)
 
 
 def test_metrics_and_memory(sched):
@@ -435,16 +451,17 @@ def test_metrics_and_memory(sched):
     assert snap["acceptance_rate"] == pytest.approx(snap["accepted_tokens"] / snap["draft_tokens"])
     assert snap["mean_accepted_length"] == pytest.approx(snap["accepted_tokens"] / snap["rounds"])
     assert sched.snapshot()["compiles"] == sched.warm_compiles          # nothing compiled while serving
-    assert sched.warm_compiles["spec"] == 1
+    assert sched.warm_compiles["spec"] == 1 and sched.warm_compiles["spec+prefill"] == 1
     mem = sched.memory()
     assert mem["spec_record_bytes_per_slot"] == kda_record_bytes(sched.cfg, K + 1)
     assert mem["spec_record_bytes_per_slot"] < mem["spec_state_snapshots_bytes_per_slot"]
     # idle: every slot free, every page either free or held by the prefix cache (drafts' extra pages returned)
-    assert not sched.busy() and sched.alloc.free + sched.prefix.snapshot()["cached_pages"] == sched.num_pages
+    snap = sched.call(sched.snapshot)
+    assert not sched.busy() and snap["free_pages"] + snap["prefix"]["cached_pages"] == snap["num_pages"]
 
 
 # ------------------------------------------------------------------------------------------------- the server
-def test_server_speculates_through_the_openai_client(sched, tmp_path, monkeypatch):
+def test_server_speculates_through_the_openai_client(sched, tmp_path):
     """The module scheduler behind the OpenAI API: prompt lookup drafts, the answer's ids equal the plain answer's;
     ``"speculative": false`` (a request field) decodes plainly; ``/metrics`` has the ``k3jax_spec_*`` series."""
     import httpx
@@ -455,13 +472,14 @@ def test_server_speculates_through_the_openai_client(sched, tmp_path, monkeypatc
     from k3jax.text.tokenizer import TiktokenTokenizer
     from tokenizer_fixture import write_release_tokenizer
 
-    monkeypatch.setattr(sched, "spec", dataclasses.replace(sched.spec, prompt_lookup_min=1))
     write_release_tokenizer(tmp_path)
     tok = TiktokenTokenizer(tmp_path)
     app = create_app(sched, tok, ServeConfig("k3-spec", MAX_LEN, own_scheduler=False))
     srv = Server(sched, tok, app, "127.0.0.1", free_port(), "k3-spec").start_background()
     done = []
     sched.finish_hooks.append(done.append)
+    lookup = proposer(sched, PromptLookup(1, 4))
+    lookup.__enter__()
     try:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
         p = [int(t) for t in np.random.default_rng(6).permutation(470)]
@@ -471,7 +489,7 @@ def test_server_speculates_through_the_openai_client(sched, tmp_path, monkeypatc
                                           extra_body={"ignore_eos": True, "return_token_ids": True, **extra})
             assert r.choices[0].model_extra["token_ids"] == want
             assert r.usage.completion_tokens == 24
-        drafted = [q.spec_drafted for q in done if len(q.prompt) == 470][-2:]      # after the reference run
+        drafted = [q.spec.drafted for q in done if len(q.prompt) == 470][-2:]      # after the reference run
         assert drafted[0] >= 5 * K and drafted[1] == 0, drafted
         text = httpx.get(srv.url + "/metrics").text
         for name in ("k3jax_spec_draft_tokens_total", "k3jax_spec_accepted_tokens_total", "k3jax_spec_rounds_total",
@@ -480,6 +498,7 @@ def test_server_speculates_through_the_openai_client(sched, tmp_path, monkeypatc
         bad = httpx.post(srv.url + "/v1/completions", json={"prompt": [5, 6], "speculative": "yes"})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "speculative"
     finally:
+        lookup.__exit__()
         sched.finish_hooks.remove(done.append)
         srv.stop()
 
@@ -495,8 +514,9 @@ def test_draft_model_speculation_is_exact(model):
     lac = dataclasses.replace(cfg.linear_attn_config, kda_layers=[1], full_attn_layers=[2])
     draft = K3ForCausalLM(cfg.replace(num_hidden_layers=2, linear_attn_config=lac, first_k_dense_replace=2),
                           rngs=nnx.Rngs(5))
-    s = Scheduler(model, max_slots=2, max_model_len=MAX_LEN, page_size=PAGE, chunk=CHUNK, prefix_block=BLOCK,
-                  record_logits=True, speculative=SpecConfig("draft", K, draft="small", adaptive=False),
+    s = Scheduler(model, EngineConfig(max_slots=2, max_model_len=MAX_LEN, page_size=PAGE, chunk=CHUNK,
+                                      prefix_cache_block=BLOCK, record_logits=True,
+                                      speculative=SpecConfig("draft", K, draft="small", adaptive=False)),
                   draft_model=draft)
     assert s.warmup()["speculative"] == [[2, K + 1]]
     s.start()
@@ -509,7 +529,7 @@ def test_draft_model_speculation_is_exact(model):
             ref.result(timeout=300)
             r = s.submit(p, SamplingParams(max_tokens=16, ignore_eos=True))
             r.result(timeout=300)
-            assert r.tokens == ref.tokens and r.spec_drafted > 0
+            assert r.tokens == ref.tokens and r.spec.drafted > 0
             assert max(float(np.abs(a - b).max()) for a, b in zip(r.logits, ref.logits)) <= 1e-5
             assert r.cached_tokens == (128 if i else 0)
         sampled = []
@@ -519,9 +539,10 @@ def test_draft_model_speculation_is_exact(model):
             r.result(timeout=300)
             sampled.append(r)
         assert sampled[0].tokens == sampled[1].tokens
-        assert 0 < sampled[0].spec_accepted < sampled[0].spec_drafted, (sampled[0].spec_drafted,
-                                                                          sampled[0].spec_accepted)
-        assert s.snapshot()["compiles"]["spec"] == 1 and s.counters["draft_prefill_chunks"] >= 2
+        assert 0 < sampled[0].spec.accepted < sampled[0].spec.drafted, (sampled[0].spec.drafted,
+                                                                          sampled[0].spec.accepted)
+        snap = s.call(s.snapshot)
+        assert snap["compiles"]["spec"] == 1 and snap["spec"]["draft_prefill_chunks"] >= 2
         assert s.memory()["draft_state_bytes_per_slot"] == slot_state_bytes(draft.config)
     finally:
         s.close()

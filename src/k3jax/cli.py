@@ -228,10 +228,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    import dataclasses
     import logging
+    import signal
 
-    from k3jax.io.export import parse_size
-    from k3jax.serve.server import build_server
+    from k3jax.infer.config import EngineConfig, options_from_args
+    from k3jax.serve.server import ServerOptions, build_server
 
     logging.getLogger("absl").setLevel(logging.ERROR)
     handler = logging.StreamHandler(sys.stderr)       # k3jax's own lines (one per request), whatever absl set up
@@ -240,43 +242,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
     k3log.addHandler(handler)
     k3log.setLevel(logging.INFO)
     k3log.propagate = False
-    if args.host not in ("127.0.0.1", "localhost", "::1"):
-        console.print(f"[yellow]warning: binding to {args.host}: the server has no authentication")
-    def size_flag(flag: str, value: str | None, example: str) -> int | None:
-        if value is None:
-            return None
-        try:
-            return parse_size(value)
-        except ValueError:
-            raise ValueError(f"{flag}: expected bytes or a size like {example!r}, got {value!r}") from None
-
-    from k3jax.infer.speculative import SpecConfig
-
-    spec = SpecConfig.parse(args.speculative) if args.speculative else None     # a bad spec fails before loading
-    mem = size_flag("--kv-cache-memory", args.kv_cache_memory, "512MiB")
-    pmem = size_flag("--prefix-cache-memory", args.prefix_cache_memory, "1GiB")
-    if args.prefix_cache_stride < 1:
-        raise ValueError(f"--prefix-cache-stride: expected ≥ 1 blocks, got {args.prefix_cache_stride}")
+    engine = options_from_args(args, EngineConfig)          # a bad value fails here, before loading
+    if args.speculative_no_fallback and engine.speculative is not None:
+        engine = engine.replace(speculative=dataclasses.replace(engine.speculative, adaptive=False))
+    options = options_from_args(args, ServerOptions)
+    if options.host not in ("127.0.0.1", "localhost", "::1"):
+        console.print(f"[yellow]warning: binding to {options.host}: the server has no authentication")
     console.rule(f"[bold]k3jax serve {args.model}")
-    srv = build_server(args.model, host=args.host, port=args.port, max_slots=args.max_slots,
-                       max_model_len=args.max_model_len, kv_cache_memory=mem, chunk=args.chunk,
-                       page_size=args.page_size, max_queue=args.max_queue,
-                       max_step_tokens=args.max_step_tokens, served_model_name=args.served_model_name,
-                       dtype=args.dtype, default_max_tokens=args.default_max_tokens,
-                       prefix_cache=not args.no_prefix_cache, prefix_cache_memory=pmem,
-                       prefix_cache_stride=args.prefix_cache_stride, prefix_cache_verify=args.prefix_cache_verify,
-                       speculative=spec, speculative_adaptive=not args.speculative_no_fallback,
-                       vision=False if args.no_vision else None, image_dir=args.image_dir,
-                       allow_remote_images=args.allow_remote_images,
-                       say=lambda m: console.print(m, highlight=False, soft_wrap=True))
-    import signal
-
+    srv = build_server(args.model, engine, options, say=lambda m: console.print(m, highlight=False, soft_wrap=True))
     # uvicorn drains on SIGTERM / Ctrl-C and then re-raises the signal: exit 0 after a clean drain instead
     signal.signal(signal.SIGTERM, lambda *_: None)
     try:
         srv.run(on_ready=lambda: console.print(
-        f"[bold green]ready[/bold green] on {srv.url} (model {srv.model_name!r}; started in {srv.startup_s:.1f} s) "
-        f"— OpenAI API at {srv.url}/v1, metrics at {srv.url}/metrics", highlight=False, soft_wrap=True))
+            f"[bold green]ready[/bold green] on {srv.url} (model {srv.model_name!r}; started in {srv.startup_s:.1f} s)"
+            f" — OpenAI API at {srv.url}/v1, metrics at {srv.url}/metrics", highlight=False, soft_wrap=True))
     except KeyboardInterrupt:
         pass
     console.print("k3jax serve: stopped", highlight=False)
@@ -418,36 +397,11 @@ def main(argv: list[str] | None = None) -> int:
                        "MLA cache")
     s.add_argument("--model", required=True, help="preset name (random weights), k3jax train run directory, Orbax "
                    "export or release checkpoint directory")
-    s.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
-    s.add_argument("--port", type=int, default=8000, help="port (0: a free one)")
-    s.add_argument("--max-slots", type=int, default=8, help="decode slots: sequences decoded together (default 8)")
-    s.add_argument("--max-model-len", type=int, default=None,
-                   help="longest prompt + generation (default min(max_position_embeddings, 8192))")
-    s.add_argument("--kv-cache-memory", default=None, metavar="BYTES",
-                   help="bytes of MLA latent page pool, e.g. 256MiB (default: every slot at max-model-len)")
-    s.add_argument("--chunk", type=int, default=256, help="largest prefill chunk (buckets chunk, chunk/4, chunk/16)")
-    s.add_argument("--page-size", type=int, default=64, help="tokens per MLA cache page (default 64)")
-    s.add_argument("--max-step-tokens", type=int, default=None, help="token budget of one step: decode tokens + "
-                   "one prefill chunk (default --chunk; smaller: lower time per token, longer time to first token)")
-    s.add_argument("--max-queue", type=int, default=256, help="waiting requests before 429 (default 256)")
-    s.add_argument("--served-model-name", default=None, help="the model id clients send (default: the path's name)")
-    s.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens when a request gives none")
-    s.add_argument("--dtype", default=None, help="compute dtype override (float32, bfloat16)")
-    s.add_argument("--no-prefix-cache", action="store_true", help="turn the KDA-aware prefix cache off")
-    s.add_argument("--no-vision", action="store_true", help="text only: do not load a checkpoint's vision tower")
-    s.add_argument("--image-dir", default=None, metavar="DIR", help="allow chat image_url parts naming local files "
-                   "under DIR (default: data: URLs only)")
-    s.add_argument("--allow-remote-images", action="store_true", help="fetch http(s) image URLs (10 s timeout, "
-                   "20 MiB limit); refused with a 400 otherwise")
-    s.add_argument("--prefix-cache-memory", default=None, metavar="BYTES", help="bytes for KDA checkpoints and "
-                   "cached MLA pages together, e.g. 2GiB (default: the page pool plus one checkpoint per slot)")
-    s.add_argument("--prefix-cache-stride", type=int, default=4, help="inside a prompt, a KDA checkpoint every N "
-                   "512-token blocks (besides each prompt's last boundary and branch points; default 4)")
-    s.add_argument("--prefix-cache-verify", action="store_true", help="debug: recompute every prefix-cache hit "
-                   "from scratch and compare (a mismatch is logged, counted and recomputed without the cache)")
-    s.add_argument("--speculative", default=None, metavar="SPEC", help="speculative decoding: ngram:K (prompt "
-                   "lookup, K drafts per round; ngram:K:MIN:MAX sets the n-gram sizes, default 2..4) or "
-                   "draft:PATH:K (a draft model with the same tokenizer: preset, training run or checkpoint)")
+    from k3jax.infer.config import EngineConfig, add_options
+    from k3jax.serve.server import ServerOptions
+
+    add_options(s, ServerOptions)
+    add_options(s, EngineConfig)
     s.add_argument("--speculative-no-fallback", action="store_true", help="speculate whenever there are drafts "
                    "(default: a request whose drafts keep failing decodes plainly for a while, and a step "
                    "speculates only when the measured step times say it pays)")

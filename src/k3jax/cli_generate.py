@@ -1,64 +1,67 @@
-"""``k3jax generate``: text prompts through the engine, images through the multimodal model (``--image``), and
-speculative decoding through the serving scheduler (``--speculative``)."""
+"""``k3jax generate``: text prompts through the engine (the serving scheduler and model runner, driven on this
+thread; ``--speculative`` drafts there too), images through the multimodal model (``--image``)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 from k3jax.cli import console
 
 
 class _TextStream:
-    """Print a growing token list as text: only the new characters, holding back an unfinished UTF-8 sequence."""
+    """Print a growing token list as text: only the new characters, holding back an unfinished UTF-8 sequence (the
+    server's incremental decoder: O(new tokens) per token)."""
 
     def __init__(self, tokenizer, out):
-        self.tok, self.out, self.ids, self.shown = tokenizer, out, [], 0
+        from k3jax.text.stream import IncrementalDecoder
+
+        self.decoder, self.out = IncrementalDecoder(tokenizer), out
 
     def __call__(self, row: int, token: int) -> None:
-        self.ids.append(token)
-        text = self.tok.decode(self.ids)
-        if text.endswith("\ufffd"):
-            return
-        self.out.write(text[self.shown:])
+        self.out.write(self.decoder.push([token]))
         self.out.flush()
-        self.shown = len(text)
+
+    def close(self) -> None:
+        self.out.write(self.decoder.flush() + "\n")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     import logging
-    import sys
 
     from k3jax.infer.engine import Engine
     from k3jax.infer.load import load_model
+    from k3jax.infer.speculative import SpecConfig
 
     logging.getLogger("absl").setLevel(logging.ERROR)
     if args.image:
         return _generate_with_images(args)
+    spec = SpecConfig.parse(args.speculative) if args.speculative else None     # a bad spec fails before loading
+    if spec is not None and args.no_repeat_ngram:
+        console.print("[red]error:[/red] --no-repeat-ngram: not supported with --speculative (a banned token would "
+                      "change the target's distribution that verification keeps)")
+        return 2
     model, tok, what = load_model(args.model, dtype=args.dtype)
     cfg = model.config
     if cfg.vocab_size < tok.vocab_size:
         console.print(f"[yellow]warning: tokenizer {tok.name} has {tok.vocab_size} ids, the model {cfg.vocab_size}")
+    draft = None
+    if spec is not None and spec.method == "draft":
+        draft, _, dwhat = load_model(spec.draft)
+        console.print(f"draft: {dwhat}", highlight=False)
     prompts = args.prompt or [""]
     ids = [([tok.bos_id] if (tok.bos_id is not None and not args.no_bos) else []) + tok.encode(p) for p in prompts]
     # the config's eos_token_id ends a sequence (<|end_of_msg|> in the release, not the tokenizer's [EOS]);
     # the tokenizer's eos only when the config names none
     eos = cfg.eos_token_id if cfg.eos_token_id is not None else tok.eos_id
     eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-    stops = list(eos) if not args.ignore_eos else []
-    stops += [int(s) for s in (args.stop or [])]
-    if args.speculative:
-        if args.no_repeat_ngram:
-            console.print("[red]error:[/red] --no-repeat-ngram: not supported with --speculative (the guard would "
-                          "change the target's distribution that verification keeps)")
-            return 2
-        return _generate_speculative(args, model, tok, what, prompts, ids, stops)
-    engine = Engine(model, chunk=args.chunk, max_len=args.max_len)
+    stops = (list(eos) if not args.ignore_eos else []) + [int(s) for s in (args.stop or [])]
+    engine = Engine(model, chunk=args.chunk, max_len=args.max_len, speculative=spec, draft_model=draft)
     console.print(f"[bold]k3jax generate[/bold] {what}; tokenizer {tok.name}; "
-                  f"{'greedy' if args.temperature == 0 else f'temperature {args.temperature}'}"
+                  + (f"speculative: {spec.describe()}; " if spec is not None else "")
+                  + f"{'greedy' if args.temperature == 0 else f'temperature {args.temperature}'}"
                   f"{f', top-k {args.top_k}' if args.top_k else ''}{f', top-p {args.top_p}' if args.top_p else ''}"
                   f", seed {args.seed}", highlight=False)
     stream = _TextStream(tok, sys.stdout) if (len(ids) == 1 and not args.no_stream) else None
@@ -69,12 +72,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
                           top_p=args.top_p, seed=args.seed, stop_tokens=stops, on_token=stream,
                           no_repeat_ngram=args.no_repeat_ngram)
     if stream is not None:
-        sys.stdout.write("\n")
+        stream.close()
     else:
         for p, out in zip(prompts, res.tokens):
             console.rule()
             console.print(p + tok.decode(out), markup=False, highlight=False)
-    st = res.stats
+    _report(res.stats, len(ids))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"prompts": prompts, "tokens": res.tokens,
+                                               "text": [tok.decode(t) for t in res.tokens], "stats": res.stats},
+                                              indent=2, default=str))
+    return 0
+
+
+def _report(st: dict, n: int) -> None:
     used = st["cache_bytes_in_use_per_sequence"]
     console.print(f"prefill {st['prefill_tokens']} tokens in {st['prefill_s']:.2f} s (incl. compile); decode "
                   f"{st['generated_tokens']} tokens, {st['decode_tokens_per_s']:.1f} tokens/s "
@@ -82,12 +93,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
                   highlight=False)
     console.print(f"cache per sequence: {used['total']:,} bytes in use (KDA state {used['kda_recurrent_state']:,} + "
                   f"conv {used['kda_conv_state']:,} + MLA latent {used['mla_latent_cache']:,}); "
-                  f"{st['cache_bytes_per_sequence']['total'] * len(ids):,} bytes allocated "
-                  f"(bucket {st['cache_bucket']} tokens × {len(ids)} sequences)", highlight=False)
-    if args.json:
-        Path(args.json).write_text(json.dumps({"prompts": prompts, "tokens": res.tokens,
-                                               "text": [tok.decode(t) for t in res.tokens], "stats": st}, indent=2))
-    return 0
+                  f"{st['cache_bytes_per_sequence']['total'] * n:,} bytes allocated "
+                  f"(bucket {st['cache_bucket']} tokens × {n} sequences)", highlight=False)
+    s = st.get("speculative")
+    if s is not None:
+        console.print(f"speculative: drafted {s['draft_tokens']}, accepted {s['accepted_tokens']} (rate "
+                      f"{s['acceptance_rate']:.2f}, {s['mean_accepted_length']:.2f} per round over {s['rounds']} "
+                      f"rounds; {s['fallback_steps']} steps fell back to plain decode)", highlight=False)
 
 
 def _generate_with_images(args: argparse.Namespace) -> int:
@@ -124,7 +136,7 @@ def _generate_with_images(args: argparse.Namespace) -> int:
     res, mp = gen.generate(text, args.image, args.max_new_tokens, thinking=not args.no_thinking, **kw)
     out = res.tokens[0]
     if stream is not None:
-        sys.stdout.write("\n")
+        stream.close()
     else:
         console.print(tok.decode(out), markup=False, highlight=False)
     st = res.stats
@@ -138,74 +150,4 @@ def _generate_with_images(args: argparse.Namespace) -> int:
                                                "tokens": out, "text": tok.decode(out),
                                                "content": getattr(msg, "content", None), "stats": st}, indent=2,
                                               default=str))
-    return 0
-
-
-def _generate_speculative(args, model, tok, what, prompts, ids, stops) -> int:
-    """``k3jax generate --speculative``: the prompts through the serving scheduler (one slot each, speculative
-    decoding on, no prefix cache), streamed when there is one prompt; then the acceptance figures."""
-    import sys
-
-    from k3jax.infer.load import load_model
-    from k3jax.infer.scheduler import SamplingParams, Scheduler
-    from k3jax.infer.speculative import SpecConfig
-
-    spec = SpecConfig.parse(args.speculative)
-    draft = None
-    if spec.method == "draft":
-        draft, _, dwhat = load_model(spec.draft)
-        console.print(f"draft: {dwhat}", highlight=False)
-    longest = max(len(x) for x in ids) + args.max_new_tokens
-    sched = Scheduler(model, max_slots=len(ids), max_model_len=min(args.max_len or model.config.max_position_embeddings,
-                                                                     -(-(longest + 1) // 64) * 64),
-                      chunk=args.chunk, prefix_cache=False, speculative=spec, draft_model=draft)
-    console.print(f"[bold]k3jax generate[/bold] {what}; tokenizer {tok.name}; speculative: {spec.describe()}; "
-                  f"{'greedy' if args.temperature == 0 else f'temperature {args.temperature}'}; compiling …",
-                  highlight=False)
-    sched.warmup()
-    stream = _TextStream(tok, sys.stdout) if (len(ids) == 1 and not args.no_stream) else None
-    if stream is not None:
-        sys.stdout.write(prompts[0])
-        sys.stdout.flush()
-    params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, seed=args.seed, stop_token_ids=tuple(stops), ignore_eos=True)
-    import threading
-
-    streamed = threading.Event()
-
-    def cb(ev):
-        for t in ev.tokens:
-            stream(0, t)
-        if ev.finished:
-            streamed.set()
-
-    t0 = time.perf_counter()
-    sched.start()
-    try:
-        reqs = [sched.submit(x, params, callback=cb if (i == 0 and stream is not None) else None)
-                for i, x in enumerate(ids)]
-        for r in reqs:
-            if r.callback is None:
-                r.result()
-        if stream is not None:
-            streamed.wait()
-    finally:
-        sched.close()
-    dt = time.perf_counter() - t0
-    if stream is not None:
-        sys.stdout.write("\n")
-    else:
-        for p, r in zip(prompts, reqs):
-            console.rule()
-            console.print(p + tok.decode(r.tokens), markup=False, highlight=False)
-    s = sched.snapshot()["spec"]
-    n = sum(len(r.tokens) for r in reqs)
-    console.print(f"generated {n} tokens in {dt:.2f} s ({n / dt:.1f} tokens/s, prefill included); drafted "
-                  f"{s['draft_tokens']}, accepted {s['accepted_tokens']} (rate {s['acceptance_rate']:.2f}, "
-                  f"{s['mean_accepted_length']:.2f} per round over {s['rounds']} rounds; {s['fallback_steps']} steps "
-                  f"fell back to plain decode)", highlight=False)
-    if args.json:
-        Path(args.json).write_text(json.dumps({"prompts": prompts, "tokens": [r.tokens for r in reqs],
-                                               "text": [tok.decode(r.tokens) for r in reqs], "speculative": s},
-                                              indent=2))
     return 0

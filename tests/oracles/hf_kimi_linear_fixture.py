@@ -84,10 +84,12 @@ def main(argv: list[str]) -> None:
             r = model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True)
             cache = r.past_key_values
             dec.append(r.logits[:, -1].float())
-        # and HF's own greedy generate from the prefix
-        gen = model.generate(ids[:, :PREFIX], max_new_tokens=12, do_sample=False, pad_token_id=0)
+        # and HF's own greedy generate from the prefix, with the logits of each step (its cached decode)
+        gen = model.generate(ids[:, :PREFIX], max_new_tokens=12, do_sample=False, pad_token_id=0,
+                             output_logits=True, return_dict_in_generate=True)
     np.save(out / "decode_logits.npy", torch.stack(dec, 1).numpy())      # logits for positions PREFIX−1 … T−2
-    np.save(out / "generated.npy", gen[:, PREFIX:].numpy())
+    np.save(out / "generated.npy", gen.sequences[:, PREFIX:].numpy())
+    np.save(out / "generated_logits.npy", torch.stack(gen.logits, 1).float().numpy())   # [2, 12, V]
     np.save(out / "input_ids.npy", ids.numpy())
     np.save(out / "logits.npy", logits.numpy())
     print(json.dumps({"decode_vs_full": float((step - logits[:, -1]).abs().max()),

@@ -5,7 +5,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -62,8 +61,11 @@ def test_logits_match_transformers(hf_checkpoint):
 
 
 def test_prefill_and_decode_match_transformers_cache(hf_checkpoint):
-    """Our engine (chunked prefill of 60 tokens, then one-token decode over the latent cache) against transformers'
-    own prefill + cached decode on the same weights, and its greedy ``generate``."""
+    """Our prefill against transformers' prefill + cached decode of the same ids (position by position: the
+    chunked prefill of every prefix ends at the logits HF's cache gives there), and our generation stack — the
+    scheduler and model runner of ``k3jax generate`` / ``serve``: chunked prefill of 60 tokens, then one-token
+    decode over the paged latent cache — against transformers' greedy ``generate``: the same tokens and the same
+    logits at every step."""
     from k3jax.infer import Engine
 
     ids = np.load(hf_checkpoint / "input_ids.npy")
@@ -71,15 +73,12 @@ def test_prefill_and_decode_match_transformers_cache(hf_checkpoint):
     model = k3jax.load_pretrained(hf_checkpoint)
     prefix = ids.shape[1] - ref.shape[1]
     engine = Engine(model, chunk=32)
-    cache, last, _ = engine.prefill([row[:prefix] for row in ids], max_new_tokens=ref.shape[1])
-    got = [np.asarray(last)]
-    for t in range(prefix, ids.shape[1] - 1):
-        _, lg, cache = engine._decode(engine.state, cache, jnp.asarray(ids[:, t], jnp.int32),
-                                      jax.random.key(0), jnp.float32(0), jnp.int32(0), jnp.float32(1))
-        got.append(np.asarray(lg))
-    got = np.stack(got, 1)
+    _, logits, _ = engine.prefill([row[:-1] for row in ids], all_logits=True)
+    got = np.asarray(logits)[:, prefix - 1:]
     scale = np.max(np.abs(ref))
     assert np.max(np.abs(got - ref)) <= 1e-4 * scale, np.max(np.abs(got - ref))
-    gen = np.load(hf_checkpoint / "generated.npy")
-    ours = engine.generate([row[:prefix] for row in ids], gen.shape[1]).tokens
-    np.testing.assert_array_equal(np.asarray(ours), gen)
+    gen, gen_logits = np.load(hf_checkpoint / "generated.npy"), np.load(hf_checkpoint / "generated_logits.npy")
+    res = engine.generate([row[:prefix] for row in ids], gen.shape[1], record_logits=True)
+    np.testing.assert_array_equal(np.asarray(res.tokens), gen)
+    ours = np.stack(res.logits)                                          # [2, 12, V]
+    assert np.max(np.abs(ours - gen_logits)) <= 1e-4 * np.max(np.abs(gen_logits)), np.max(np.abs(ours - gen_logits))

@@ -18,8 +18,9 @@ A softmax layer can resume from any cached prefix; a KDA layer only where its re
   children is not a leaf), so the chain from the root stays whole. Evicting a node drops its checkpoint and its
   page references in one step; a page returns to the free list when its last holder lets go.
 
-The scheduler (:class:`k3jax.infer.scheduler.Scheduler`) owns the device side: it saves and restores checkpoints
-and copies pages; this module never touches device memory.
+The scheduler uses the index through :class:`k3jax.infer.prefix_policy.PrefixPolicy` (lookup on admission,
+registration after a step); the model runner saves and restores checkpoints and copies pages. This module never
+touches device memory and imports no JAX.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from k3jax.infer.requests import PageAllocator
+from k3jax.infer.slots import PageAllocator
 
 _ROOT = b"k3jax-prefix-v1"
 

@@ -1,38 +1,20 @@
-"""What the scheduler serves: a request's sampling settings, its events, its state, and the page allocator.
+"""What the engine serves: a request's sampling settings, its prompt checks, its events and its state.
 
-:class:`SamplingParams` (validated, errors name the field), :class:`TokenEvent` (new tokens, the last one with the
-finish reason), :class:`Request` (one sequence: prompt, generated tokens, slot, pages; ``stream()`` / ``result()``
-for requests submitted without a callback), :class:`PageAllocator` (reference-counted MLA cache pages: a page of
-a cached prefix is shared by every request that reuses it).
+:class:`SamplingParams` (validated once, at construction, with one rule per field; errors name the field),
+:func:`check_prompt` (the prompt rules every entry point shares), :class:`TokenEvent` (new tokens, the last one with
+the finish reason) and :class:`Request` (one sequence: prompt, generated tokens, slot; the state of each feature in
+its own sub-object: :class:`PrefixState`, :class:`SpecState`). Host only: nothing here touches JAX.
 """
 
 from __future__ import annotations
 
-import collections
 import queue
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-
-
-def _dev(a) -> jax.Array:
-    """A device copy of a host array, complete when this returns. On XLA:CPU the host-to-device copy of
-    ``jnp.asarray`` / ``jnp.array`` can run after the call returns, reading host memory the scheduler has since
-    changed or freed (seen as prefill logits that, now and then, differed by ~1e-3 from the same prefill run
-    synchronously; blocking on the transfers removed it); the scheduler
-    passes every host input through here."""
-    return jax.block_until_ready(jnp.array(a, copy=True))
-
-
-def _i32(x) -> jax.Array:
-    return _dev(np.asarray(x, np.int32))
-
 
 class RequestError(ValueError):
-    """A request the scheduler cannot take (bad ids, too long, bad sampling values); ``field`` names the input."""
+    """A request the engine cannot take (bad ids, too long, bad sampling values); ``field`` names the input."""
 
     def __init__(self, message: str, field: str | None = None):
         super().__init__(message)
@@ -47,11 +29,27 @@ class QueueFull(RuntimeError):
         self.retry_after = retry_after
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+MAX_TEMPERATURE = 100.0
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """What one request asks for. ``temperature`` 0 = greedy; ``top_k`` None/0 = all; ``top_p`` 1 = all;
-    ``seed`` None = a fresh random seed; ``stop_token_ids`` end the sequence (the stop token is reported);
-    ``ignore_eos`` drops the model's end-of-sequence ids from the stop set."""
+    """What one request asks for, validated when it is made (:class:`RequestError` naming the field).
+
+    ``max_tokens`` ≥ 1 tokens to generate; ``temperature`` in [0, 100], 0 = greedy; ``top_k`` None (all tokens) or
+    ≥ 1 (OpenAI-style front ends map their "all" values, -1 and 0, to None); ``top_p`` None (all) or in (0, 1];
+    ``seed`` None = a fresh random seed, else in [0, 2³²); ``stop_token_ids`` end the sequence (the stop token is
+    reported); ``ignore_eos`` drops the model's end-of-sequence ids from the stop set; ``no_repeat_ngram`` > 0 bans
+    every token that would complete an n-gram already in the prompt + output (a guard against a small model's
+    loops; 0 = off)."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -60,31 +58,66 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    no_repeat_ngram: int = 0
 
-    def check(self) -> None:
-        def bad(name, want, got):
-            raise RequestError(f"{name}: expected {want}, got {got!r}", name)
+    def __post_init__(self):
+        def bad(name, want):
+            raise RequestError(f"{name}: expected {want}, got {getattr(self, name)!r}", name)
 
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            bad("max_tokens", "an integer ≥ 1", self.max_tokens)
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            bad("max_tokens", "an integer ≥ 1")
         t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (0 <= t < float("inf")):
-            bad("temperature", "a number ≥ 0 (0 = greedy)", t)
-        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int)
-                                       or self.top_k < 0):
-            bad("top_k", "an integer ≥ 0 (0 or -1 = all) or null", self.top_k)
-        if self.top_p is not None and (isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float))
-                                       or not 0 < self.top_p <= 1):
-            bad("top_p", "a number in (0, 1]", self.top_p)
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
-                                      or not 0 <= self.seed < 2 ** 32):
-            bad("seed", "an integer in [0, 2^32)", self.seed)
+        if not _is_number(t) or not (0 <= t <= MAX_TEMPERATURE):
+            bad("temperature", f"a number ≥ 0 and ≤ {MAX_TEMPERATURE:g} (0 = greedy)")
+        if self.top_k is not None and (not _is_int(self.top_k) or self.top_k < 1):
+            bad("top_k", "a positive integer (all tokens: None in Python, -1 or 0 over HTTP)")
+        if self.top_p is not None and (not _is_number(self.top_p) or not 0 < self.top_p <= 1):
+            bad("top_p", "a number in (0, 1] or None")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2 ** 32):
+            bad("seed", "an integer in [0, 2^32) or None")
+        stops = self.stop_token_ids
+        if isinstance(stops, (str, bytes)) or not all(_is_int(s) and s >= 0 for s in stops):
+            bad("stop_token_ids", "token ids ≥ 0")
+        object.__setattr__(self, "stop_token_ids", tuple(int(s) for s in stops))
+        if not isinstance(self.ignore_eos, bool):
+            bad("ignore_eos", "true or false")
+        if not _is_int(self.no_repeat_ngram) or self.no_repeat_ngram < 0:
+            bad("no_repeat_ngram", "an integer ≥ 0 (0 = off)")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def check_prompt(prompt: Sequence[int], *, vocab_size: int, max_len: int, max_tokens: int, where: str = "prompt",
+                 tokens_name: str = "max_tokens", limit_name: str = "max_model_len", hint: str = "",
+                 error: type[RequestError] = RequestError) -> list[int]:
+    """``prompt`` as a list of ints, or ``error`` naming ``where`` (the prompt's name in the caller's API):
+    not empty, ids in ``[0, vocab_size)``, and room in ``max_len`` for the prompt and ``max_tokens`` more
+    (``tokens_name`` / ``limit_name`` / ``hint``: how the caller's API calls them)."""
+    try:
+        ids = [int(t) for t in prompt]
+    except (TypeError, ValueError):
+        raise error(f"{where}: expected a list of token ids", where) from None
+    if not ids:
+        raise error(f"{where}: empty (no token ids); a prompt needs at least one token", where)
+    lo, hi = min(ids), max(ids)
+    if lo < 0 or hi >= vocab_size:
+        raise error(f"{where}: token ids must lie in [0, {vocab_size}) (vocab_size); got min {lo}, max {hi}", where)
+    if len(ids) >= max_len:
+        raise error(f"{where}: {len(ids)} tokens; the {limit_name} is {max_len} tokens (prompt + at least one "
+                    f"generated token){hint}", where)
+    if len(ids) + max_tokens > max_len:
+        raise error(f"{where}: {len(ids)} tokens + {tokens_name} {max_tokens} = {len(ids) + max_tokens} exceeds "
+                    f"{limit_name} {max_len}{hint}", tokens_name)
+    return ids
 
 
 @dataclass
 class TokenEvent:
     """New tokens of one request; the last event has ``finished`` set and ``finish_reason`` in ``stop`` (a stop
-    token), ``length`` (max_tokens or max_model_len), ``abort`` (cancelled / shut down) or ``error``."""
+    token, or a stop string its consumer found), ``length`` (max_tokens or max_model_len), ``abort`` (cancelled /
+    shut down) or ``error``."""
 
     request_id: str
     tokens: list[int]
@@ -94,12 +127,46 @@ class TokenEvent:
     time: float = 0.0
 
 
-_WAITING, _PREFILL, _DECODE, _DONE = "waiting", "prefill", "decode", "done"
+WAITING, PREFILL, DECODE, DONE = "waiting", "prefill", "decode", "done"
+
+
+@dataclass(eq=False)
+class PrefixState:
+    """A request's use of the prefix cache: ``use`` (False: no lookup and no registration — a reference run, or
+    privacy), ``content_keys`` ``(token position, digest)`` of non-token inputs (images) hashed into the keys,
+    the chain ``hashes`` per complete block, the boundaries where this admission's prefill saves a KDA checkpoint
+    (``save_at``), the pinned node it started from (``node``), the end-of-sequence checkpoint decode saved last
+    (``provisional``), and the prompt tokens served from the cache at its first admission (``cached_tokens``)."""
+
+    use: bool = True
+    content_keys: tuple = ()
+    hashes: list = field(default_factory=list)
+    save_at: frozenset = frozenset()
+    node: object = None
+    provisional: tuple | None = None
+    cached_tokens: int = 0
+
+
+@dataclass(eq=False)
+class SpecState:
+    """A request's speculative decoding: ``use`` (False: plain decode), a ``prediction`` (predicted output ids prompt
+    lookup also drafts from), its acceptance ``tracker``, its prompt-lookup index (``ngram``), the tokens the draft
+    model holds for it (``draft_len``), and the tokens drafted for it / accepted."""
+
+    use: bool = True
+    prediction: list = field(default_factory=list)
+    tracker: object = None
+    ngram: object = None
+    draft_len: int = 0
+    drafted: int = 0
+    accepted: int = 0
 
 
 @dataclass(eq=False)
 class Request:
-    """One sequence in the scheduler. ``tokens``: generated so far; ``prompt_tokens``: its prompt length."""
+    """One sequence in the engine. ``tokens``: generated so far; ``sequence``: what prefill runs (the prompt, plus
+    the generated tokens after a preemption); ``computed``: tokens of ``sequence`` the slot's cache holds. Fields
+    are written by the scheduler thread only; a consumer reads them after the request's last event."""
 
     id: str
     prompt: list[int]
@@ -108,11 +175,10 @@ class Request:
     seed: int
     callback: Callable[[TokenEvent], None] | None = None
     tokens: list[int] = field(default_factory=list)
-    state: str = _WAITING
+    state: str = WAITING
     slot: int = -1
-    pages: list[int] = field(default_factory=list)
-    computed: int = 0                   # tokens of `sequence` already in the cache
-    sequence: list[int] = field(default_factory=list)   # what prefill runs: prompt (+ generated, after preemption)
+    computed: int = 0
+    sequence: list[int] = field(default_factory=list)
     admitted: int = -1                  # admission order (the newest running request is preempted first)
     preemptions: int = 0
     arrival: float = 0.0
@@ -120,23 +186,12 @@ class Request:
     finish_time: float | None = None
     finish_reason: str | None = None
     error: str | None = None
-    cancelled: bool = False
-    use_prefix_cache: bool = True       # False: no lookup and no registration (a reference run, or privacy)
-    content_keys: tuple = ()            # (token position, digest) of non-token inputs (images), hashed in
-    embeds: object = None               # a MultimodalPrompt: image rows spliced at its positions during prefill
-    cached_tokens: int = 0              # prompt tokens served from the prefix cache (first admission)
-    hashes: list = field(default_factory=list)          # chain hash per complete block of prompt + generated
-    save_at: frozenset = frozenset()    # boundaries where this admission's prefill saves a KDA checkpoint
-    hit_node: object = None             # the prefix-cache node this admission started from (pinned)
-    provisional: object = None          # (node, checkpoint) saved in decode, dropped at the next one
-    logits: list | None = None          # next-token logits per generated token (Scheduler(record_logits=True))
-    use_speculative: bool = True        # False: plain decode even when the scheduler speculates
-    prediction: list = field(default_factory=list)      # a predicted output prompt lookup also drafts from
-    spec: object = None                 # its AcceptanceTracker (speculative decoding)
-    ngram: object = None                # its prompt-lookup index (NgramIndex)
-    draft_len: int = 0                  # tokens the draft model holds for it (draft-model speculation)
-    spec_drafted: int = 0               # tokens drafted for it / accepted
-    spec_accepted: int = 0
+    media: object = None                # a MultimodalPrompt: image rows spliced at its positions during prefill
+    images: list | None = None          # processed images the engine encodes at admission (then ``media``)
+    logits: list | None = None          # next-token logits per generated token (EngineConfig.record_logits)
+    ban: object = None                  # a NoRepeatNgram (SamplingParams.no_repeat_ngram)
+    prefix: PrefixState = field(default_factory=PrefixState)
+    spec: SpecState = field(default_factory=SpecState)
     _q: queue.Queue | None = None
 
     @property
@@ -144,8 +199,12 @@ class Request:
         return len(self.prompt)
 
     @property
+    def cached_tokens(self) -> int:
+        return self.prefix.cached_tokens
+
+    @property
     def finished(self) -> bool:
-        return self.state == _DONE
+        return self.state == DONE
 
     def stream(self, timeout: float | None = None) -> Iterator[TokenEvent]:
         """The request's events until the last one (only for requests submitted without a callback)."""
@@ -164,44 +223,5 @@ class Request:
         return list(self.tokens)
 
 
-class PageAllocator:
-    """Reference-counted pages: ``num_pages`` ids, a free list, and per page the number of holders (running
-    requests and prefix-cache entries). :meth:`alloc` hands out pages with one reference, :meth:`retain` adds one,
-    :meth:`release` drops one and frees the page at zero."""
-
-    def __init__(self, num_pages: int):
-        self.num_pages = num_pages
-        self._free = collections.deque(range(num_pages))
-        self.refs = [0] * num_pages
-
-    @property
-    def free(self) -> int:
-        return len(self._free)
-
-    def is_free(self, page: int) -> bool:
-        return self.refs[page] == 0
-
-    def alloc(self, n: int) -> list[int] | None:
-        if n > len(self._free):
-            return None
-        out = [self._free.popleft() for _ in range(n)]
-        for p in out:
-            self.refs[p] = 1
-        return out
-
-    def retain(self, pages: Sequence[int]) -> None:
-        for p in pages:
-            if self.refs[p] <= 0:
-                raise RuntimeError(f"page {p}: retained while free (a holder released it too early)")
-            self.refs[p] += 1
-
-    def release(self, pages: Sequence[int]) -> None:
-        for p in pages:
-            if self.refs[p] <= 0:
-                raise RuntimeError(f"page {p}: released more often than it was taken")
-            self.refs[p] -= 1
-            if self.refs[p] == 0:
-                self._free.append(p)
-
-
-__all__ = ["RequestError", "QueueFull", "SamplingParams", "TokenEvent", "Request", "PageAllocator"]
+__all__ = ["RequestError", "QueueFull", "SamplingParams", "check_prompt", "TokenEvent", "Request", "PrefixState",
+           "SpecState", "WAITING", "PREFILL", "DECODE", "DONE"]

@@ -1,24 +1,13 @@
-"""Next-token sampling: greedy, temperature, top-k, top-p — all traced, so changing them never recompiles."""
+"""Next-token sampling on the device: greedy, temperature, top-k, top-p and per-row token bans — all traced, so
+changing them never recompiles. (The settings are checked once, on the host: :class:`~k3jax.infer.requests.
+SamplingParams`; a bad one raises :class:`SamplingError`, the request error naming the field.)"""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-
-class SamplingError(ValueError):
-    """An invalid sampling setting; the message names it."""
-
-
-def check_sampling(temperature: float, top_k: int | None, top_p: float | None, max_new_tokens: int) -> None:
-    if not (isinstance(temperature, (int, float)) and temperature >= 0 and temperature == temperature):
-        raise SamplingError(f"temperature: expected a number ≥ 0 (0 = greedy), got {temperature!r}")
-    if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
-        raise SamplingError(f"top_k: expected a positive integer or None, got {top_k!r}")
-    if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
-        raise SamplingError(f"top_p: expected a number in (0, 1] or None, got {top_p!r}")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise SamplingError(f"max_new_tokens: expected an integer ≥ 0, got {max_new_tokens!r}")
+from k3jax.infer.requests import RequestError as SamplingError
 
 
 def filtered_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
@@ -56,11 +45,31 @@ def sampling_probs(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, 
                      greedy)
 
 
+def unpack_bans(bans: jax.Array, vocab: int) -> jax.Array:
+    """``bans [B, ⌈V/32⌉]`` uint32 bitmasks (:func:`k3jax.infer.processors.ban_mask`) → ``[B, V]`` bool; a row that
+    would ban every token bans none (it keeps its own draw)."""
+    v = jnp.arange(vocab)
+    bit = (bans[:, v // 32] >> (v % 32).astype(jnp.uint32)) & jnp.uint32(1)
+    banned = bit.astype(bool)
+    return banned & ~jnp.all(banned, axis=-1, keepdims=True)
+
+
 def sample_rows(logits: jax.Array, seeds: jax.Array, counters: jax.Array, temperature: jax.Array,
-                top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+                top_k: jax.Array, top_p: jax.Array, bans: jax.Array | None = None):
     """Per-row settings: ``logits [B, V]``, ``seeds [B]`` uint32, ``counters [B]`` int32 (tokens the row has
     drawn), ``temperature``/``top_k``/``top_p [B]`` → ids ``[B]`` int32. Row b draws with
-    ``fold_in(key(seeds[b]), counters[b])``, so a seeded sequence gives the same tokens whatever shares its batch."""
+    ``fold_in(key(seeds[b]), counters[b])``, so a seeded sequence gives the same tokens whatever shares its batch.
+
+    ``bans [B, ⌈V/32⌉]``: tokens a row may not draw (their logits are −inf); then returns ``(ids, changed [B])``,
+    ``changed`` where the ban moved the draw. The same key draws both, so under plain temperature sampling a ban
+    changes a row's token only when the token it would have drawn is banned (the Gumbel-max draw over the other
+    tokens is unchanged), as a "draw, then draw again without the banned tokens" rule would."""
+    if bans is not None:
+        masked = jnp.where(unpack_bans(bans, logits.shape[-1]), -jnp.inf, logits.astype(jnp.float32))
+        free = sample_rows(logits, seeds, counters, temperature, top_k, top_p)
+        tok = sample_rows(masked, seeds, counters, temperature, top_k, top_p)
+        return tok, tok != free
+
     def one(lg, s, c, t, k, p):
         return sample_next(lg[None], jax.random.fold_in(jax.random.key(s), c), t, k, p)[0]
 

@@ -1,27 +1,28 @@
-"""Continuous batching over a static slot pool, with a paged MLA latent cache — the engine behind ``k3jax serve``.
+"""Continuous batching over a static slot pool — the policy half of the engine behind ``k3jax serve`` and
+``k3jax generate``.
 
-* **Slots.** ``max_slots`` decode slots, fixed. A slot holds one sequence's KDA state and conv windows (constant
-  size) and a row of the page table. One jitted decode step runs the decoding slots, gathered into the smallest of
-  a few static batch sizes (:func:`decode_buckets`: ``max_slots`` and, from 8 slots on, 1, 4, 16, …; idle slots
-  fill the bucket masked — ``n_new = 0`` leaves their state, windows and pages untouched), each compiled once.
-* **Pages.** Each MLA layer keeps its latent cache in a pool of ``num_pages`` pages of ``page_size`` tokens,
-  shared by all slots (:class:`~k3jax.nn.cache.PagedMLACache`). A request is admitted when a slot is free and
-  the pages for its prompt are; decode takes one more page each time a sequence crosses a page boundary. When none
-  is free, the most recently admitted running request is **preempted**: its slot and pages are freed and it goes
-  back to the head of the queue with its prompt and the tokens generated so far, to be recomputed (its stream
-  continues where it stopped; nothing already sent is repeated). Admission, paging and preemption live in
-  :mod:`k3jax.infer.admission`.
-* **Steps.** Each step runs at most one prefill chunk (the oldest admitted prompt; chunk lengths come from a few
-  static buckets, the largest that fits the step's token budget left after the decode tokens) and then one decode
-  step, so a long prompt never stalls the running streams (a smaller budget: shorter chunks between decode steps,
-  lower time per output token, longer time to first token). A request joins at the next step and leaves the
-  moment it stops (its slot and pages are free for the next step).
-* **Nothing recompiles while serving**: :meth:`Scheduler.warmup` compiles every prefill bucket and the decode
-  step; ``compiles`` in :meth:`Scheduler.snapshot` counts traces.
+The :class:`Scheduler` decides; the :class:`~k3jax.infer.runner.ModelRunner` computes. Each step the scheduler takes
+what other threads queued (:class:`~k3jax.infer.inbox.Inbox`), makes sure every decoding sequence has the page its
+next token goes to (preempting the newest running request when the pool is empty), admits waiting requests while a
+slot and their pages are free (a prefix-cache hit starts from a cached KDA checkpoint), and builds a
+:class:`~k3jax.infer.plan.StepPlan`: the decoding rows — or a speculative round over them — and one prefill chunk
+(the oldest admitted prompt; its length from a few static buckets, the largest the step's token budget leaves after
+the decode tokens), run by the runner in one forward. It applies the :class:`~k3jax.infer.plan.StepOutput`: tokens
+to their requests, lengths, prefix-cache registration, events to the consumers. A request joins at the next step
+and leaves the moment it stops.
 
-Python API: ``sched = Scheduler(model, max_slots=8, …); sched.start()``; ``req = sched.submit(ids, SamplingParams(
-max_tokens=64))``; ``for ev in req.stream(): …``; ``sched.cancel(req)``; ``sched.close()``. Events are
-:class:`TokenEvent`; a callback given to :meth:`Scheduler.submit` receives them on the scheduler thread instead.
+* **Preemption.** When decode finds no free page (after evicting cached prefixes), the most recently admitted
+  running request is preempted: its slot and pages are freed and it goes back to the head of the queue with its
+  prompt and the tokens generated so far, to be recomputed (its stream continues where it stopped).
+* **One owner.** Every mutable structure (slot pool, queue, prefix index, counters) belongs to the scheduler
+  thread; :meth:`submit`, :meth:`cancel` and :meth:`call` queue work for it, and after each step it publishes an
+  immutable snapshot (:meth:`snapshot`) that ``/metrics`` and ``/health`` read from any thread.
+* **Nothing recompiles while serving**: :meth:`warmup` compiles every step shape.
+
+Python API: ``sched = Scheduler(model, EngineConfig(max_slots=8)); sched.warmup(); sched.start()``;
+``req = sched.submit(ids, SamplingParams(max_tokens=64))``; ``for ev in req.stream(): …``; ``sched.cancel(req)``;
+``sched.close()``. Without :meth:`start`, :meth:`step` drives it from the caller's thread (what
+:class:`~k3jax.infer.engine.Engine` does).
 """
 
 from __future__ import annotations
@@ -29,202 +30,136 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
-import queue
 import secrets
 import threading
 import time
+import types
 from typing import Callable, Sequence
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from k3jax.infer.admission import SlotAdmission
-from k3jax.infer.prefix_slots import PrefixCaching
-from k3jax.infer.requests import (_DECODE, _DONE, _PREFILL, PageAllocator, QueueFull, Request,
-                                  RequestError, SamplingParams, TokenEvent, _dev, _i32)
-from k3jax.infer.sampling import SamplingError, sample_rows
-from k3jax.infer.spec_slots import SpeculativeDecoding, slot_chunk
-from k3jax.infer.speculative import SpecConfig
-from k3jax.nn.cache import Cache, init_paged_cache, page_bytes, slot_state_bytes
-from k3jax.nn.model import K3ForCausalLM
+from k3jax.infer.config import EngineConfig, EngineSizes
+from k3jax.infer.inbox import Hooks, Inbox
+from k3jax.infer.plan import Chunk, Rows, Sampling, StepOutput, StepPlan
+from k3jax.infer.prefix_cache import PrefixCache
+from k3jax.infer.prefix_policy import PrefixPolicy
+from k3jax.infer.processors import NoRepeatNgram, ban_mask
+from k3jax.infer.proposers import DraftModel, Proposer, make_proposer
+from k3jax.infer.requests import (DECODE, DONE, PREFILL, WAITING, QueueFull, Request, RequestError, SamplingParams,
+                                  TokenEvent, check_prompt)
+from k3jax.infer.slots import SlotPool
+from k3jax.infer.spec_policy import Speculation
 
 log = logging.getLogger("k3jax.scheduler")
 
 
-def decode_buckets(max_slots: int) -> tuple[int, ...]:
-    """The static decode batch sizes: ``max_slots``, and from 8 slots on also the powers of 4 below it (1, 4, 16,
-    …), so a lightly loaded pool does not pay for every slot. Each step runs the smallest that holds the active
-    slots."""
-    out = {max_slots}
-    if max_slots >= 8:
-        b = 1
-        while b < max_slots:
-            out.add(b)
-            b *= 4
-    return tuple(sorted(out))
+class _Ops:
+    """Device work admission and registration queue for the next step's plan (copies, restores, first tokens)."""
+
+    def __init__(self):
+        self.copies: list = []
+        self.restores: list = []
+        self.samples: list = []
+
+    def take(self) -> tuple[tuple, tuple, tuple]:
+        out = tuple(self.copies), tuple(self.restores), tuple(self.samples)
+        self.copies, self.restores, self.samples = [], [], []
+        return out
 
 
-def prefill_buckets(chunk: int) -> tuple[int, ...]:
-    """The static prefill chunk lengths: ``chunk``, ``chunk/4``, ``chunk/16`` (those ≥ 16, multiples of 16)."""
-    out = {chunk}
-    for d in (4, 16):
-        c = chunk // d
-        if c >= 16 and c % 16 == 0:
-            out.add(c)
-    return tuple(sorted(out))
+class Scheduler:
+    """Continuous batching for a :class:`~k3jax.nn.model.K3ForCausalLM` (see the module docstring).
 
+    ``config``: every engine option (:class:`~k3jax.infer.config.EngineConfig`); ``draft_model``: a loaded draft for
+    ``config.speculative`` = ``draft:PATH:K`` (else PATH is loaded); ``proposer``: another
+    :class:`~k3jax.infer.proposers.Proposer` (e.g. a :class:`~k3jax.infer.proposers.FunctionProposer`); ``encoder``:
+    a :class:`~k3jax.vision.model.VisionEncoder` for requests with images (``pad_id``: their ``<|media_pad|>``
+    id); ``runner``: a ready runner (or a stand-in
+    with its interface: host-policy tests run the scheduler without a model)."""
 
-class Scheduler(SlotAdmission, PrefixCaching, SpeculativeDecoding):
-    """Continuous batching for a :class:`K3ForCausalLM` (see the module docstring).
+    def __init__(self, model=None, config: EngineConfig | None = None, *, draft_model=None,
+                 proposer: Proposer | None = None, encoder=None, pad_id: int | None = None, runner=None):
+        self.config = config = config or EngineConfig()
+        spec = config.speculative
+        if spec is not None and proposer is None:
+            proposer = make_proposer(spec, draft_model)
+        if runner is None:
+            from k3jax.infer.runner import ModelRunner
 
-    ``max_slots`` decode slots; ``max_model_len`` longest prompt + generation; ``page_size`` tokens per MLA page;
-    ``num_pages`` pool size (default: enough for every slot at ``max_model_len``; or from ``kv_cache_memory`` bytes
-    of MLA latent cache); ``chunk`` the largest prefill chunk; ``max_step_tokens`` the per-step token budget
-    (decode tokens + one prefill chunk; default ``chunk``); ``max_queue`` waiting requests before
-    :class:`QueueFull`.
-
-    Prefix cache (:mod:`k3jax.infer.prefix_cache`; ``prefix_cache=False`` turns it off): ``prefix_block`` tokens
-    per hash block, a KDA checkpoint every ``prefix_stride`` blocks inside a prompt (besides each prompt's last
-    boundary, branch points and the end of each turn), ``prefix_cache_memory`` bytes for checkpoints and cached
-    pages together (default: the page pool plus one checkpoint per slot); ``prefix_verify`` recomputes every hit
-    from scratch and compares (a debug mode: a mismatch is logged, counted and the request recomputed without the
-    cache). ``record_logits`` keeps each request's next-token logits per generated token (``Request.logits``).
-
-    Speculative decoding (:mod:`k3jax.infer.spec_slots`): ``speculative`` is a :class:`SpecConfig` or its text
-    (``"ngram:4"``, ``"draft:PATH:4"``); ``draft_model`` a loaded draft (else PATH is loaded); ``drafter(request,
-    n)`` replaces prompt lookup with another host-side proposer (at most n tokens). Requests submitted with
-    ``use_speculative=False`` decode plainly."""
-
-    def __init__(self, model: K3ForCausalLM, *, max_slots: int = 8, max_model_len: int | None = None,
-                 page_size: int = 64, num_pages: int | None = None, kv_cache_memory: int | None = None,
-                 chunk: int = 256, max_step_tokens: int | None = None, max_queue: int = 256,
-                 eos_token_ids: Sequence[int] | None = None, prefix_cache: bool = True,
-                 prefix_cache_memory: int | None = None, prefix_block: int = 512, prefix_stride: int = 4,
-                 prefix_verify: bool = False, record_logits: bool = False,
-                 speculative: SpecConfig | str | None = None, draft_model: K3ForCausalLM | None = None,
-                 drafter: Callable[[Request, int], Sequence[int]] | None = None):
-        cfg = model.config
-        self.model, self.cfg = model, cfg
-        self.max_slots = int(max_slots)
-        if self.max_slots < 1:
-            raise ValueError(f"max_slots: expected ≥ 1, got {max_slots}")
-        if chunk < 16 or chunk % 16:
-            raise ValueError(f"chunk: expected a multiple of 16 (KDA's tile), got {chunk}")
-        if page_size < 1:
-            raise ValueError(f"page_size: expected ≥ 1, got {page_size}")
-        self.max_model_len = int(max_model_len or min(cfg.max_position_embeddings, 8192))
-        if self.max_model_len > cfg.max_position_embeddings:
-            raise ValueError(f"max_model_len: {self.max_model_len} exceeds the model's max_position_embeddings "
-                             f"{cfg.max_position_embeddings}")
-        self.page_size = int(page_size)
-        self.max_pages = -(-self.max_model_len // self.page_size)
-        self.token_bytes = page_bytes(cfg)
-        if num_pages is None and kv_cache_memory is not None:
-            num_pages = int(kv_cache_memory) // max(1, self.token_bytes * self.page_size)
-            if num_pages < 1:
-                raise ValueError(f"kv_cache_memory: {kv_cache_memory} bytes is less than one page "
-                                 f"({self.token_bytes * self.page_size} bytes = {self.page_size} tokens × "
-                                 f"{self.token_bytes} bytes of MLA latent per token)")
-        self.num_pages = int(num_pages if num_pages is not None else self.max_slots * self.max_pages)
-        if self.num_pages < 1:
-            raise ValueError(f"num_pages: expected ≥ 1, got {self.num_pages}")
-        self.chunk = int(chunk)
-        self.buckets = prefill_buckets(self.chunk)
-        self.decode_sizes = decode_buckets(self.max_slots)
-        self.max_step_tokens = int(max_step_tokens or self.chunk)
-        self.max_queue = int(max_queue)
-        eos = cfg.eos_token_id if eos_token_ids is None else eos_token_ids
-        self.eos_ids = frozenset([] if eos is None else ([eos] if isinstance(eos, int) else list(eos)))
-
-        self.graphdef, self.state = nnx.split(model)
-        self.cache: Cache = init_paged_cache(cfg, self.max_slots, self.num_pages, self.page_size,
-                                             self.max_model_len)
-        self.table = np.zeros((self.max_slots, self.max_pages), np.int32)
-        self.lengths = np.zeros(self.max_slots, np.int32)
-        self.alloc = PageAllocator(self.num_pages)
-        self.traces = {"prefill": 0, "decode": 0}
-        self._prefill = jax.jit(self._prefill_impl, donate_argnums=(1,))
-        self._decode = jax.jit(self._decode_impl, donate_argnums=(1,))
-        self._init_prefix_cache(prefix_cache, prefix_cache_memory, prefix_block, prefix_stride, prefix_verify,
-                                record_logits)
-
-
-        self.slots: list[Request | None] = [None] * self.max_slots
+            if encoder is not None and config.vision_buckets:
+                encoder.buckets = tuple(sorted(config.vision_buckets))
+            runner = ModelRunner(model, config.sizes(model.config), mixed=config.mixed_steps, encoder=encoder,
+                                 pad_id=pad_id,
+                                 draft=proposer.model if isinstance(proposer, DraftModel) else None,
+                                 k=spec.k if spec is not None else 0, reference=config.prefix_cache_verify)
+        self.runner, self.cfg, self.sizes = runner, runner.cfg, runner.sizes
+        sz = self.sizes
+        self.pool = SlotPool(sz.max_slots, page_size=sz.page_size, num_pages=sz.num_pages, max_pages=sz.max_pages)
+        self.prefix: PrefixPolicy | None = None
+        if config.prefix_cache:
+            pool_bytes = sz.token_bytes * sz.page_size * sz.num_pages
+            budget = config.prefix_cache_memory if config.prefix_cache_memory is not None else \
+                pool_bytes + sz.max_slots * runner.checkpoint_bytes()
+            index = PrefixCache(self.pool.alloc, block=config.prefix_cache_block, page_size=sz.page_size,
+                                page_bytes=sz.token_bytes * sz.page_size, budget=budget,
+                                stride=config.prefix_cache_stride)
+            self.prefix = PrefixPolicy(index, self.pool, verify=config.prefix_cache_verify)
+        self.spec: Speculation | None = None
+        if spec is not None:
+            self.spec = Speculation(spec, proposer, sz, config.prefix_cache_block if self.prefix else None)
+        self.inbox = Inbox(config.max_queue)
         self.waiting: collections.deque[Request] = collections.deque()
-        self._inbox: collections.deque = collections.deque()
-        self._cv = threading.Condition()
-        self._ids = itertools.count()
-        self._admit_seq = itertools.count()
+        self.running: list[Request | None] = [None] * sz.max_slots
+        self.counters = {"steps": 0, "decode_steps": 0, "decode_rows": 0, "prefill_chunks": 0, "mixed_steps": 0,
+                         "preemptions": 0, "prompt_tokens": 0, "cached_prompt_tokens": 0, "generated_tokens": 0,
+                         "requests_finished": 0, "banned_changed": 0}
+        self.finish_hooks = Hooks()        # called with each finished request, on the scheduler thread
+        self.step_hooks = Hooks()          # after every step, on its thread (invariant checks)
+        self._ops = _Ops()
+        self._ids, self._admit_seq = itertools.count(), itertools.count()
         self._thread: threading.Thread | None = None
-        self._closing = False
-        self._accepting = True
-        self.counters = {"steps": 0, "decode_steps": 0, "decode_rows": 0, "prefill_chunks": 0, "preemptions": 0,
-                         "prompt_tokens": 0, "cached_prompt_tokens": 0, "generated_tokens": 0,
-                         "requests_finished": 0}
-        self.finish_hooks: list[Callable[[Request], None]] = []  # called on the scheduler thread (server metrics)
-        self.step_hooks: list[Callable[[], None]] = []           # after every step, on its thread (invariant checks)
-        self._init_speculative(speculative, draft_model, drafter)
-
-    # --------------------------------------------------------------------------------------------- jitted
-    def _prefill_impl(self, state, cache, table, lengths, slot, ids, n, samp, embeds=None):
-        """One chunk ``ids [1, C]`` (first ``n`` real) of slot ``slot`` starting at ``lengths[slot]``; a slot at
-        length 0 starts from a zero KDA state; ``embeds`` (rows [1, C, hidden], mask [1, C]): image rows spliced in.
-        Returns (token sampled from the chunk's last real logits, cache)."""
-        self.traces["prefill"] += 1                           # runs at trace time only: counts compilations
-        out, cache = slot_chunk(nnx.merge(self.graphdef, state), cache, table, lengths, slot, ids, n, embeds)
-        last = jax.lax.dynamic_index_in_dim(out.logits[0], jnp.maximum(n - 1, 0), 0, keepdims=True)
-        tok = sample_rows(last, *[jnp.reshape(s, (1,)) for s in samp])
-        return tok[0], last[0], cache
-
-    def _decode_impl(self, state, cache, table, lengths, slot_ids, tokens, active, samp):
-        """One token for each of the slots ``slot_ids [b]`` (``tokens [b]`` at their ``lengths``; rows with
-        ``active`` False are idle slots filling the bucket: masked, untouched); the other slots are not computed."""
-        self.traces["decode"] += 1
-        cache = Cache(cache.layers, lengths).with_page_table(table)
-        rows = cache.read_slots(slot_ids)
-        out = nnx.merge(self.graphdef, state)(tokens[:, None], cache=rows, n_new=active.astype(jnp.int32))
-        return sample_rows(out.logits[:, 0], *samp), out.logits[:, 0], cache.write_slots(slot_ids, out.cache)
-
-    def _samp_arrays(self, reqs: Sequence[Request | None]):
-        n = len(reqs)
-        seeds = np.zeros(n, np.uint32)
-        ctr = np.zeros(n, np.int32)
-        temp = np.zeros(n, np.float32)
-        tk = np.zeros(n, np.int32)
-        tp = np.ones(n, np.float32)
-        for i, r in enumerate(reqs):
-            if r is None:
-                continue
-            p = r.params
-            seeds[i], ctr[i], temp[i] = r.seed, len(r.tokens), p.temperature
-            tk[i] = max(0, p.top_k or 0)
-            tp[i] = 1.0 if p.top_p is None else p.top_p
-        return tuple(_dev(a) for a in (seeds, ctr, temp, tk, tp))
-
-    def warmup(self) -> dict:
-        """Compile every prefill bucket and the decode step (all slots idle: nothing in the cache changes).
-        Returns ``{"prefill": [buckets], "decode": [max_slots]}`` — the compiled shapes."""
-        if any(self.slots):
-            raise RuntimeError("warmup() must run before requests are served")
-        samp1 = self._samp_arrays([None])
-        table, lengths = _dev(self.table), _dev(self.lengths)
-        for C in self.buckets:
-            _, last, self.cache = self._prefill(self.state, self.cache, table, lengths, _i32(0),
-                                                jnp.zeros((1, C), jnp.int32), _i32(0), samp1)
-        self._warm_prefix_cache(last, samp1)
-        for b in self.decode_sizes:
-            tok, _, self.cache = self._decode(self.state, self.cache, table, lengths, jnp.arange(b, dtype=jnp.int32),
-                                           jnp.zeros(b, jnp.int32), jnp.zeros(b, bool), self._samp_arrays([None] * b))
-        tok.block_until_ready()
-        self._warm_speculative()
-        shapes = {"prefill": [[1, C] for C in self.buckets], "decode": [[b, 1] for b in self.decode_sizes]}
-        if self.spec is not None:
-            shapes["speculative"] = [[b, self.spec.k + 1] for b in self.decode_sizes]
-        return shapes
+        self._snapshot = types.MappingProxyType({})
+        self._publish()
 
     # ------------------------------------------------------------------------------------------- public API
+    @property
+    def max_queue(self) -> int:
+        return self.inbox.max_queue
+
+    @max_queue.setter
+    def max_queue(self, n: int) -> None:
+        self.inbox.max_queue = int(n)
+
+    def warmup(self) -> dict:
+        """Compile every step shape (all rows idle: nothing in the caches changes) and the small programs. Returns
+        the compiled shapes: ``{"prefill": [[1, C]…], "decode": [[b, 1]…], "mixed": [[b, 1, C]…]}`` (+
+        ``"speculative"`` ``[[b, k+1]…]``)."""
+        if any(self.running) or self.waiting:
+            raise RuntimeError("warmup() must run before requests are served")
+        shapes = self.step_shapes()
+        seconds = self.runner.warmup(shapes)
+        if self.spec is not None:
+            for key, s in seconds.items():
+                if key[0] is not None and not key[2]:   # plain and speculative steps, timed at warm-up
+                    self.spec.observe(key, s)
+        if self.config.vision_buckets and getattr(self.runner, "encoder", None) is not None:
+            self.runner.warm_vision()
+        self._publish()
+        out = {"prefill": [[1, C] for k, b, C in shapes if not b],
+               "decode": [[b, 1] for k, b, C in shapes if k == "decode" and not C],
+               "mixed": [[b, 1 if k == "decode" else self.spec.k + 1, C] for k, b, C in shapes if b and C]}
+        if self.spec is not None:
+            out["speculative"] = [[b, self.spec.k + 1] for k, b, C in shapes if k == "verify" and not C]
+        return out
+
+    def step_shapes(self) -> list[tuple]:
+        """Every step shape the scheduler can plan: ``(rows kind, rows, chunk)``."""
+        sz = self.sizes
+        kinds = ["decode"] + (["verify"] if self.spec is not None else [])
+        mixed = sz.mixed_chunks() if self.config.mixed_steps else ()
+        return ([(None, 0, C) for C in sz.prefill] + [(k, b, 0) for k in kinds for b in sz.decode] +
+                [(k, b, C) for k in kinds for b in sz.decode for C in mixed])
+
     def start(self) -> "Scheduler":
         """Run the scheduling loop on a background thread."""
         if self._thread is None:
@@ -232,171 +167,461 @@ class Scheduler(SlotAdmission, PrefixCaching, SpeculativeDecoding):
             self._thread.start()
         return self
 
-    def check(self, prompt: Sequence[int], params: SamplingParams) -> list[int]:
-        """Validate a request without queueing it; returns the prompt as a list of ints."""
-        params.check()
-        ids = [int(t) for t in prompt]
-        if not ids:
-            raise RequestError("prompt: empty (no token ids); a prompt needs at least one token", "prompt")
-        V = self.cfg.vocab_size
-        lo, hi = min(ids), max(ids)
-        if lo < 0 or hi >= V:
-            raise RequestError(f"prompt: token ids must lie in [0, {V}) (vocab_size); got min {lo}, max {hi}",
-                               "prompt")
-        if len(ids) >= self.max_model_len:
-            raise RequestError(f"prompt: {len(ids)} tokens; this server's max_model_len is {self.max_model_len} "
-                               f"tokens (prompt + at least one generated token)", "prompt")
-        if len(ids) + params.max_tokens > self.max_model_len:
-            raise RequestError(f"max_tokens: prompt {len(ids)} + max_tokens {params.max_tokens} = "
-                               f"{len(ids) + params.max_tokens} exceeds max_model_len {self.max_model_len}",
-                               "max_tokens")
-        need = -(-(len(ids) + params.max_tokens) // self.page_size)
-        if need > self.num_pages:
-            raise RequestError(f"max_tokens: prompt + max_tokens need {need} pages of {self.page_size} tokens; the "
-                               f"page pool has {self.num_pages} (raise --kv-cache-memory)", "max_tokens")
-        return ids
-
-    def submit(self, prompt: Sequence[int], params: SamplingParams | None = None, *,
+    def submit(self, prompt: Sequence[int] | None, params: SamplingParams | None = None, *,
                callback: Callable[[TokenEvent], None] | None = None, request_id: str | None = None,
                use_prefix_cache: bool = True, content_keys: Sequence[tuple[int, bytes]] = (),
-               use_speculative: bool = True, prediction: Sequence[int] = (), embeds=None) -> Request:
-        """Queue a request (it joins the batch at the next step). Raises :class:`RequestError` for a request that
-        can never run and :class:`QueueFull` when ``max_queue`` requests are waiting. ``use_prefix_cache=False``:
-        neither reuses nor adds cached prefixes; ``content_keys``: ``(position, digest bytes)`` of inputs that are
-        not token ids (image content), hashed into the prefix cache's key of the block holding the position;
-        ``use_speculative=False``: plain decode for this request when the scheduler speculates; ``prediction``:
-        token ids the answer is expected to resemble (OpenAI's predicted output, e.g. the document an edit starts
-        from), which prompt lookup drafts from too."""
-        params = params or SamplingParams()
+               use_speculative: bool = True, prediction: Sequence[int] = (), embeds=None,
+               images: Sequence | None = None) -> Request:
+        """Queue a request (it joins the batch at the next step); from any thread. Raises :class:`RequestError`
+        (naming the field) for a request that can never run and :class:`QueueFull` when ``max_queue`` requests are
+        waiting. ``use_prefix_cache=False``: neither reuses nor adds cached prefixes; ``content_keys``:
+        ``(position, digest bytes)`` of non-token inputs hashed into the prefix cache's keys; ``use_speculative=
+        False``: plain decode; ``prediction``: ids the answer is expected to resemble (OpenAI's predicted output),
+        which prompt lookup drafts from too; ``embeds``: a :class:`~k3jax.vision.model.MultimodalPrompt` (image
+        rows computed; its ids are the prompt); ``images``: processed images the engine encodes (the prompt
+        holds one ``<|media_pad|>`` per image)."""
+        req = self._make_request(prompt, params or SamplingParams(), callback, request_id, use_prefix_cache,
+                                 content_keys, use_speculative, prediction, embeds, images)
+        self.inbox.submit(req)
+        return req
+
+    def cancel(self, req: Request | str, reason: str = "abort") -> None:
+        """Stop a request at the next step (from any thread); its slot and pages are freed, its last event has
+        ``reason`` (``abort``; ``stop`` when its consumer found a stop string)."""
+        self.inbox.cancel(req, reason)
+
+    def call(self, fn: Callable[[], object], timeout: float | None = 60.0):
+        """Run ``fn()`` on the scheduler thread between two steps and return its result (or raise its exception):
+        how another thread reads or changes engine state. Without a running loop it runs here."""
+        if self._thread is None or threading.current_thread() is self._thread:
+            return fn()
+        return self.inbox.call(fn).result(timeout)
+
+    def batched(self):
+        """``with sched.batched(): …`` — the submissions inside reach the scheduler in the same step."""
+        return self.inbox.held()
+
+    def close(self, drain_timeout: float = 0.0) -> None:
+        """Stop taking requests; let running ones finish for up to ``drain_timeout`` seconds, then cancel the rest
+        and stop the loop."""
+        self.inbox.accepting = False
+        deadline = time.monotonic() + drain_timeout
+        while drain_timeout > 0 and time.monotonic() < deadline and self._thread is not None and self.busy():
+            time.sleep(0.02)
+        self.inbox.close()
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+            self._thread = None
+        for item in self.inbox.drain():
+            if item[0] == "submit":
+                self.waiting.append(item[1])
+            elif item[0] == "call":
+                item[2].cancel()
+        for r in list(self.waiting) + [r for r in self.running if r is not None]:
+            self._finish(r, "abort")
+        self._publish()
+
+    def busy(self) -> bool:
+        """Whether any submitted request has not finished (from any thread)."""
+        return self.inbox.live > 0
+
+    def snapshot(self) -> types.MappingProxyType:
+        """The latest published figures (slots, pages, queue, counters, compiles, prefix cache, speculation): an
+        immutable mapping the scheduler thread replaces after each step; safe to read from any thread."""
+        return self._snapshot
+
+    def memory(self) -> dict:
+        """Bytes of the slot pool: KDA state per slot, MLA latent per token and per page, the totals, and what the
+        prefix cache and speculation add."""
+        out = self.runner.memory()
+        if self.prefix is not None:
+            out.update(prefix_checkpoint_bytes=self.runner.checkpoint_bytes(), prefix_budget_bytes=self.prefix.index.budget)
+        return out
+
+    # ------------------------------------------------------------------------------------------- requests
+    def _make_request(self, prompt, params, callback, request_id, use_prefix_cache, content_keys, use_speculative,
+                      prediction, embeds, images) -> Request:
+        if not isinstance(params, SamplingParams):
+            raise RequestError("params: expected SamplingParams", "params")
+        sz, V = self.sizes, self.cfg.vocab_size
         if embeds is not None:                      # a MultimodalPrompt: its expanded ids are the prompt
             prompt = embeds.ids
             if embeds.rows.shape[1:] != (self.cfg.hidden_size,):
                 raise RequestError(f"embeds: rows of width {embeds.rows.shape[1:]}, expected "
                                    f"({self.cfg.hidden_size},)", "embeds")
-            if not content_keys:
-                content_keys = embeds.content_keys
-        ids = self.check(prompt, params)
-        keys = []
-        for k in content_keys:
-            if not (isinstance(k, tuple) and len(k) == 2 and isinstance(k[0], int) and 0 <= k[0] < len(ids)
-                    and isinstance(k[1], (bytes, bytearray))):
-                raise RequestError(f"content_keys: expected (position in [0, {len(ids)}), digest bytes) pairs, got "
-                                   f"{k!r}", "content_keys")
-            keys.append((int(k[0]), bytes(k[1])))
+            content_keys = content_keys or embeds.content_keys
+        if images:
+            prompt, content_keys = self._image_prompt(prompt, images)
+        ids = check_prompt(prompt if prompt is not None else [], vocab_size=V, max_len=sz.max_model_len,
+                           max_tokens=params.max_tokens)
+        need = self.pool.pages_for(len(ids) + params.max_tokens)
+        if need > sz.num_pages:
+            raise RequestError(f"max_tokens: prompt + max_tokens need {need} pages of {sz.page_size} tokens; the "
+                               f"page pool has {sz.num_pages} (raise --kv-cache-memory)", "max_tokens")
+        for t in params.stop_token_ids:
+            if t >= V:
+                raise RequestError(f"stop_token_ids: {t} is outside [0, {V})", "stop_token_ids")
+        keys = _content_keys(content_keys, len(ids))
         pred = [int(t) for t in prediction]
-        if pred and (min(pred) < 0 or max(pred) >= self.cfg.vocab_size):
-            raise RequestError(f"prediction: token ids must lie in [0, {self.cfg.vocab_size}) (vocab_size); got min "
-                               f"{min(pred)}, max {max(pred)}", "prediction")
-        stops = frozenset(int(s) for s in params.stop_token_ids) | (frozenset() if params.ignore_eos
-                                                                     else self.eos_ids)
-        seed = params.seed if params.seed is not None else secrets.randbits(32)
-        req = Request(id=request_id or f"req-{next(self._ids)}", prompt=ids, params=params, stops=stops, seed=seed,
-                      callback=callback, sequence=list(ids), arrival=time.perf_counter(),
-                      use_prefix_cache=bool(use_prefix_cache), content_keys=tuple(sorted(keys)), embeds=embeds,
-                      use_speculative=bool(use_speculative), prediction=pred,
-                      logits=[] if self.record_logits else None)
+        if pred and (min(pred) < 0 or max(pred) >= V):
+            raise RequestError(f"prediction: token ids must lie in [0, {V}) (vocab_size); got min {min(pred)}, max "
+                               f"{max(pred)}", "prediction")
+        stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else sz.eos_ids)
+        req = Request(id=request_id or f"req-{next(self._ids)}", prompt=ids, params=params, stops=stops,
+                      seed=params.seed if params.seed is not None else secrets.randbits(32), callback=callback,
+                      sequence=list(ids), arrival=time.perf_counter(), media=embeds,
+                      images=list(images) if images else None, logits=[] if self.config.record_logits else None)
+        req.prefix.use, req.prefix.content_keys = bool(use_prefix_cache), keys
+        req.spec.use, req.spec.prediction = bool(use_speculative), pred
+        if params.no_repeat_ngram:
+            req.ban = NoRepeatNgram(params.no_repeat_ngram, ids)
         if callback is None:
+            import queue
+
             req._q = queue.Queue()
-        with self._cv:
-            if not self._accepting:
-                raise QueueFull("the server is shutting down", retry_after=5.0)
-            if len(self.waiting) + len(self._inbox) >= self.max_queue:
-                raise QueueFull(f"{self.max_queue} requests are already waiting (max_queue); retry later")
-            self._inbox.append(("submit", req))
-            self._cv.notify()
         return req
 
-    def cancel(self, req: Request | str) -> None:
-        """Stop a request at the next step; its slot and pages are freed, its last event has reason ``abort``."""
-        with self._cv:
-            self._inbox.append(("cancel", req))
-            self._cv.notify()
+    def _image_prompt(self, prompt, images) -> tuple[list[int], tuple]:
+        """The prompt with each image's pad expanded to its token count, and the images' content keys (host only:
+        the rows are computed at admission)."""
+        from k3jax.vision.model import PromptError, expand_pads
 
-    def close(self, drain_timeout: float = 0.0) -> None:
-        """Stop taking requests; let running ones finish for up to ``drain_timeout`` seconds, then cancel the rest
-        and stop the loop."""
-        with self._cv:
-            self._accepting = False
-        deadline = time.monotonic() + drain_timeout
-        while drain_timeout > 0 and time.monotonic() < deadline and self._thread is not None and self.busy():
-            time.sleep(0.02)
-        with self._cv:
-            self._closing = True
-            self._cv.notify()
-        if self._thread is not None:
-            self._thread.join(timeout=60)
-            self._thread = None
-        for r in list(self.waiting) + [r for r in self.slots if r is not None] + \
-                [x for kind, x in self._inbox if kind == "submit"]:
-            self._finish(r, "abort")
-        self._inbox.clear()
-        self.waiting.clear()
+        if getattr(self.runner, "encoder", None) is None:
+            raise RequestError("images: this engine has no vision encoder", "images")
+        try:
+            ids, firsts = expand_pads(prompt, [im.tokens for im in images], self.runner.encoder_pad_id)
+        except PromptError as e:
+            raise RequestError(f"messages: {e}", "messages") from None
+        return ids, tuple((p, im.digest) for p, im in zip(firsts, images))
 
-    def busy(self) -> bool:
-        return bool(self._inbox or self.waiting or any(r is not None for r in self.slots))
-
-    def snapshot(self) -> dict:
-        """Slot, page and queue occupancy, counters and compile counts (read by ``/metrics``)."""
-        return {"slots_in_use": sum(r is not None for r in self.slots), "max_slots": self.max_slots,
-                "free_pages": self.alloc.free, "num_pages": self.num_pages, "page_size": self.page_size,
-                "queue_length": len(self.waiting) + sum(1 for k, _ in list(self._inbox) if k == "submit"),
-                "compiles": dict(self.traces), **self.counters,
-                "prefix": self.prefix.snapshot() if self.prefix is not None else None,
-                "spec": self.spec_snapshot()}
-
-    def memory(self) -> dict:
-        """Bytes of the slot pool: KDA state per slot, MLA latent per token and per page, and the totals."""
-        per_slot = slot_state_bytes(self.cfg)
-        out = {"kda_state_bytes_per_slot": per_slot, "kda_state_bytes": per_slot * self.max_slots,
-               "mla_bytes_per_token": self.token_bytes, "mla_bytes_per_page": self.token_bytes * self.page_size,
-               "mla_pool_bytes": self.token_bytes * self.page_size * self.num_pages,
-               "total_bytes": per_slot * self.max_slots + self.token_bytes * self.page_size * self.num_pages}
-        if self.prefix is not None:
-            out.update(prefix_checkpoint_bytes=self.checkpoint_bytes, prefix_budget_bytes=self.prefix.budget)
-        out.update(self.spec_memory())
-        return out
-
-    # ------------------------------------------------------------------------------------------------ loop
+    # ------------------------------------------------------------------------------------------- the loop
     def _loop(self) -> None:
         while True:
-            with self._cv:
-                while not (self._inbox or self._closing or self.waiting or any(self.slots)):
-                    self._cv.wait(timeout=0.5)
-                if self._closing:
-                    return
-                inbox = list(self._inbox)
-                self._inbox.clear()
+            self.inbox.wait(busy=bool(self.waiting) or any(r is not None for r in self.running))
+            if self.inbox.closing:
+                return
             try:
-                self.step(inbox)
+                self.step()
             except Exception as e:  # noqa: BLE001 - a failing step fails the requests in it, not the server
                 log.exception("scheduler step failed")
-                for r in [r for r in self.slots if r is not None]:
+                for r in [r for r in self.running if r is not None]:
                     self._finish(r, "error", error=f"{type(e).__name__}: {e}")
+                self._publish()
 
-    def step(self, inbox: Sequence = ()) -> None:
-        """One scheduling step: take submissions and cancellations, admit, one prefill chunk, one decode step.
-        (The background loop calls it; call it yourself to drive the scheduler without a thread.)"""
-        for kind, x in inbox:
-            if kind == "submit":
-                self.waiting.append(x)
-            else:
-                self._cancel_now(x)
+    def step(self) -> None:
+        """One scheduling step: take what was queued, make room for decode, admit, plan, run, apply, publish. (The
+        background loop calls it; call it yourself to drive the scheduler without a thread.)"""
+        self._take_inbox()
+        self._ensure_decode_pages()
         self._admit()
-        self._prefill_one()
-        self._decode_all()
+        plan = self._plan()
+        if not plan.empty:
+            out = self.runner.execute(plan)
+            self._apply(plan, out)
         self.counters["steps"] += 1
+        self._publish()
         for hook in self.step_hooks:
             hook()
 
-    def _cancel_now(self, x: Request | str) -> None:
+    def _take_inbox(self) -> None:
+        for item in self.inbox.drain():
+            kind = item[0]
+            if kind == "submit":
+                self.waiting.append(item[1])
+            elif kind == "cancel":
+                self._cancel_now(item[1], item[2])
+            else:
+                fn, fut = item[1], item[2]
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(fn())
+                    except BaseException as e:  # noqa: BLE001 - handed to the caller
+                        fut.set_exception(e)
+
+    def _cancel_now(self, x: Request | str, reason: str) -> None:
         rid = x if isinstance(x, str) else x.id
-        for r in list(self.waiting):
-            if r.id == rid:
-                self.waiting.remove(r)
-                self._finish(r, "abort")
-        for r in self.slots:
-            if r is not None and r.id == rid:
-                self._finish(r, "abort")
+        for r in [r for r in self.waiting if r.id == rid] + [r for r in self.running if r is not None and r.id == rid]:
+            self._finish(r, reason)
+
+    # ------------------------------------------------------------------------------------------- admission
+    def _ensure_decode_pages(self) -> None:
+        """The page for each decoding sequence's next token (oldest first); preempts the newest running request
+        when neither the free list nor the prefix cache has one."""
+        for r in sorted((r for r in self.running if r is not None and r.state == DECODE), key=lambda r: r.admitted):
+            while r.state == DECODE and not self.pool.grow(r.slot, int(self.pool.lengths[r.slot]) + 1):
+                victim = max((x for x in self.running if x is not None), key=lambda x: x.admitted)
+                self._preempt(victim)
+
+    def _preempt(self, req: Request) -> None:
+        """Free ``req``'s slot and pages; it is recomputed from its prompt + generated tokens when re-admitted."""
+        self._release(req)
+        req.state, req.computed = WAITING, 0
+        req.sequence = req.prompt + req.tokens
+        req.preemptions += 1
+        self.counters["preemptions"] += 1
+        self.waiting.appendleft(req)
+        self.inbox.requeued()
+        log.info("preempted %s (%d tokens) for lack of pages", req.id, len(req.sequence))
+
+    def _release(self, req: Request) -> None:
+        if req.slot >= 0 and self.running[req.slot] is req:
+            self.running[req.slot] = None
+            pin = self.pool.release(req.slot)
+            if self.prefix is not None:
+                self.prefix.release(pin)
+        req.slot = -1
+        req.prefix.provisional = None
+
+    def _admit(self) -> None:
+        """Admit waiting requests, first come first served, while a slot and their pages are free."""
+        while self.waiting:
+            free = self.pool.free_slots()
+            if not free:
+                return
+            req = self.waiting[0]
+            if req.images is not None and req.media is None and not self._encode(req):
+                continue
+            use = self.prefix is not None and req.prefix.use
+            node, shared = self.prefix.lookup(req) if use else (None, 0)
+            if node is not None and not self.prefix.check_hit(req, node, self.runner):
+                continue                                    # a hit that failed verification: look again
+            hit = node.length if node is not None else 0
+            reuse = hit // self.sizes.page_size             # whole pages shared with the cached prefix
+            pages = self.pool.take_pages(self.pool.pages_for(len(req.sequence)) - reuse)
+            if pages is None:
+                if node is not None:
+                    self.prefix.release(node)
+                return                                      # first come, first served: wait for pages
+            self.waiting.popleft()
+            self.inbox.admitted()
+            self._start(req, free[0], node, reuse, pages, hit)
+            if use:
+                self.prefix.admitted(req, hit, shared)
+                if req.preemptions == 0:
+                    self.counters["cached_prompt_tokens"] += hit
+
+    def _start(self, req: Request, slot: int, node, reuse: int, pages: list[int], hit: int) -> None:
+        """``req`` runs in ``slot``: its pages, and from a cached prefix ``node`` the shared pages, a copy of the
+        partial last page and the KDA checkpoint (queued for the next step); a sequence cached whole gets its first
+        token from the checkpoint's logits."""
+        self.pool.assign(slot, req.id, node.pages[:reuse] if node is not None else [], pages, hit, pin=node)
+        req.slot, req.state, req.computed = slot, PREFILL, hit
+        req.admitted = next(self._admit_seq)
+        req.spec.draft_len = 0                              # a draft model starts over in this slot
+        self.running[slot] = req
+        if node is None:
+            return
+        page = self.sizes.page_size
+        if hit % page:
+            self._ops.copies.append((node.pages[hit // page], self.pool.pages[slot][hit // page]))
+        self._ops.restores.append((slot, node.checkpoint.rows))
+        if hit == len(req.sequence):
+            self._ops.samples.append((slot, node.checkpoint, self._sampling([req])))
+
+    def _encode(self, req: Request) -> bool:
+        """The request's image rows (the vision encoder, on this thread); False when it failed (finished)."""
+        from k3jax.vision.model import splice_prompt
+
+        try:
+            feats = self.runner.encode_images(req.images)
+            req.media = splice_prompt(req.prompt, feats, self.runner.encoder_pad_id,
+                                      [im.digest for im in req.images])
+            return True
+        except Exception as e:  # noqa: BLE001 - one request's images fail that request only
+            log.exception("request %s: encoding its images failed", req.id)
+            self.waiting.popleft()
+            self._finish(req, "error", error=f"{type(e).__name__}: {e}", waiting=True)
+            return False
+
+    # ------------------------------------------------------------------------------------------- planning
+    def _plan(self) -> StepPlan:
+        copies, restores, samples = self._ops.take()
+        decoding = sorted((r for r in self.running if r is not None and r.state == DECODE), key=lambda r: r.slot)
+        chunk, req = self._pick_chunk(len(decoding))
+        rows, draft_chunks = self._plan_rows(decoding, chunk)
+        saves = self._saves(rows, chunk, req)
+        return StepPlan(self.pool.page_table(), self.pool.lengths_copy(), rows=rows, chunk=chunk, copies=copies,
+                        restores=restores, draft_chunks=draft_chunks,
+                        samples=tuple((s, ck.logits, samp) for s, ck, samp in samples), saves=saves,
+                        want_logits=self.config.record_logits)
+
+    def _pick_chunk(self, n_decode: int) -> tuple[Chunk | None, Request | None]:
+        """The oldest admitted prompt's next chunk: as long as the budget after ``n_decode`` decode tokens allows
+        (the whole largest bucket when nothing decodes), ending where a checkpoint is saved."""
+        cands = [r for r in self.running if r is not None and r.state == PREFILL and r.computed < len(r.sequence)]
+        if not cands:
+            return None, None
+        req = min(cands, key=lambda r: r.admitted)
+        P = self.sizes.prefill
+        budget = self.sizes.chunk if n_decode == 0 else max(P[0], self.sizes.max_step_tokens - n_decode)
+        want = len(req.sequence) - req.computed
+        ahead = [p for p in req.prefix.save_at if p > req.computed]
+        if ahead:                                           # a chunk ends where a checkpoint is saved
+            want = min(want, min(ahead) - req.computed)
+        fits = [b for b in P if b <= budget] or [P[0]]
+        C = next((b for b in fits if b >= want), fits[-1])
+        n = min(want, C)
+        ids = np.zeros(C, np.int32)
+        ids[:n] = req.sequence[req.computed:req.computed + n]
+        embeds = req.media.overlay(req.computed, C) if req.media is not None else None
+        return Chunk(req.slot, req.computed, ids, n, self._sampling([req]), embeds), req
+
+    def _plan_rows(self, decoding: list[Request], chunk: Chunk | None) -> tuple[Rows | None, tuple]:
+        """The decoding rows: a speculative round when the proposer has drafts and a round pays, else one token
+        each; idle rows fill the bucket (free slots first, never the chunk's when another will do)."""
+        if not decoding:
+            return None, ()
+        b = self.sizes.bucket(len(decoding))
+        live = [r.slot for r in decoding]
+        taken = set(live)
+        other = [s for s in self.pool.free_slots() if s not in taken] + \
+            [s for s in range(self.sizes.max_slots) if s not in taken and self.running[s] is not None]
+        if chunk is not None:
+            other = [s for s in other if s != chunk.slot] + [chunk.slot] * (chunk.slot in other)
+        slots = np.array(live + other[:b - len(live)], np.int32)
+        active = np.arange(b) < len(live)
+        tokens = np.array([r.tokens[-1] for r in decoding] + [0] * (b - len(live)), np.int32)
+        sampling = self._sampling(decoding + [None] * (b - len(live)))
+        if self.spec is not None:
+            got = self._plan_round(decoding, slots, tokens, active, sampling, chunk)
+            if got is not None:
+                return got
+        return Rows(slots, tokens, active, sampling), ()
+
+    def _plan_round(self, decoding, slots, tokens, active, sampling, chunk) -> tuple[Rows, tuple] | None:
+        """A speculative round over the decoding rows, or None when no row drafts or a round would not pay."""
+        sp, b = self.spec, len(slots)
+        on_device = sp.proposer.on_device
+        n_draft, drafts = np.zeros(b, np.int32), np.zeros((b, sp.k), np.int32)
+        for j, r in enumerate(decoding):
+            n = sp.room(r, int(self.pool.lengths[r.slot]), self.prefix is not None)
+            if n and not on_device:
+                d = sp.proposer.propose(r, n)
+                drafts[j, :len(d)] = d
+                n = len(d)
+            n_draft[j] = n
+        if not n_draft.any() or not sp.pays(decoding, n_draft[:len(decoding)], b, 0 if chunk is None else chunk.size):
+            return None
+        catch_up = []
+        if on_device:                                       # the draft must hold what the target holds
+            for j, r in enumerate(decoding):
+                if n_draft[j]:
+                    ch = sp.catch_up(r, int(self.pool.lengths[r.slot]))
+                    catch_up += [ch] if ch is not None else []
+                    if r.spec.draft_len < int(self.pool.lengths[r.slot]):
+                        n_draft[j] = 0
+        for j, r in enumerate(decoding):
+            if n_draft[j]:
+                n_draft[j] = sp.draft_pages(r, int(n_draft[j]), self.pool)
+        if not n_draft.any():
+            return None if not catch_up else (Rows(slots, tokens, active, sampling), tuple(catch_up))
+        return Rows(slots, tokens, active, sampling, drafts, n_draft), tuple(catch_up)
+
+    def _saves(self, rows: Rows | None, chunk: Chunk | None, chunk_req: Request | None) -> tuple:
+        """``(slot, length)`` where the step may reach a prefix-cache checkpoint boundary."""
+        if self.prefix is None:
+            return ()
+        B, out = self.prefix.block, []
+        if chunk is not None and chunk_req.prefix.use and chunk.start + chunk.n in chunk_req.prefix.save_at:
+            out.append((chunk.slot, chunk.start + chunk.n))
+        if rows is not None:
+            for j in np.flatnonzero(rows.active):
+                r = self.running[int(rows.slots[j])]
+                L = int(self.pool.lengths[r.slot])
+                if r.prefix.use and (rows.verify or (L + 1) % B == 0):
+                    out.append((r.slot, (L // B + 1) * B))
+        return tuple(out)
+
+    def _sampling(self, reqs: Sequence[Request | None]) -> Sampling:
+        n, V = len(reqs), self.cfg.vocab_size
+        seeds, ctr = np.zeros(n, np.uint32), np.zeros(n, np.int32)
+        temp, tk, tp = np.zeros(n, np.float32), np.zeros(n, np.int32), np.ones(n, np.float32)
+        for i, r in enumerate(reqs):
+            if r is not None:
+                p = r.params
+                seeds[i], ctr[i], temp[i] = r.seed, len(r.tokens), p.temperature
+                tk[i] = p.top_k or 0
+                tp[i] = 1.0 if p.top_p is None else p.top_p
+        bans = ban_mask([r.ban.banned() if r is not None and r.ban is not None else None for r in reqs], V)
+        return Sampling(seeds, ctr, temp, tk, tp, bans)
+
+    # ------------------------------------------------------------------------------------------- applying
+    def _apply(self, plan: StepPlan, out: StepOutput) -> None:
+        for slot, tok in out.sampled.items():              # sequences served whole from the prefix cache
+            req = self.running[slot]
+            if req is not None:
+                if req.logits is not None:
+                    req.logits.append(np.asarray(next(lg for s, lg, _ in plan.samples if s == slot), np.float32))
+                self._accept_token(req, tok)
+        if plan.chunk is not None:
+            self._apply_chunk(plan.chunk, out)
+        if plan.rows is not None:
+            self._apply_rows(plan, out)
+        if plan.forward:
+            c = self.counters
+            c["mixed_steps"] += plan.rows is not None and plan.chunk is not None
+            kind, b, C = plan.shape()
+            if self.spec is not None and kind is not None:
+                self.spec.observe((kind, b, C), out.seconds)
+
+    def _apply_chunk(self, chunk: Chunk, out: StepOutput) -> None:
+        req = self.running[chunk.slot]
+        req.computed += chunk.n
+        self.pool.set_length(req.slot, req.computed)
+        self.counters["prefill_chunks"] += 1
+        if req.preemptions == 0:
+            self.counters["prompt_tokens"] += chunk.n
+        if self.prefix is not None and req.prefix.use:
+            self._ops.copies += self.prefix.register(req, out.checkpoints.get(req.slot))
+        if req.computed == len(req.sequence):
+            if req.logits is not None:
+                req.logits.append(out.chunk_logits)
+            self.counters["banned_changed"] += bool(out.banned_changed[-1])
+            self._accept_token(req, out.chunk_token)
+
+    def _apply_rows(self, plan: StepPlan, out: StepOutput) -> None:
+        rows, c = plan.rows, self.counters
+        c["decode_steps"] += 1
+        c["decode_rows"] += int(rows.active.sum())
+        if rows.verify:
+            self.spec.counters["spec_steps"] += 1
+        for j in np.flatnonzero(rows.active):
+            req, kept = self.running[int(rows.slots[j])], int(out.kept[j])
+            toks = [int(t) for t in out.tokens[j, :kept]]
+            if rows.verify and rows.n_draft[j]:
+                self.spec.applied(req, int(rows.n_draft[j]), kept)
+                if self.spec.proposer.on_device:
+                    req.spec.draft_len += kept            # the draft kept the same tokens
+            self.pool.advance(req.slot, kept)
+            req.computed += kept
+            if self.prefix is not None and req.prefix.use and req.computed % self.prefix.block == 0:
+                self._ops.copies += self.prefix.register(req, out.checkpoints.get(req.slot), provisional=True,
+                                                         pending=toks[:-1])
+            if req.logits is not None:
+                req.logits.extend(out.row_logits[j, :kept])
+            c["banned_changed"] += bool(out.banned_changed[j])
+            for t in toks:
+                self._accept_token(req, t)
+                if req.state != DECODE:
+                    break
+
+    def _accept_token(self, req: Request, tok: int) -> None:
+        """Record one generated token; finish the request when it stops."""
+        if req.first_token_time is None:
+            req.first_token_time = time.perf_counter()
+        req.tokens.append(tok)
+        if req.ban is not None:
+            req.ban.push(tok)
+        self.counters["generated_tokens"] += 1
+        self._emit(req, [tok])
+        if req.state == DONE:                              # its consumer failed
+            return
+        if tok in req.stops:
+            self._finish(req, "stop")
+        elif len(req.tokens) >= req.params.max_tokens or len(req.prompt) + len(req.tokens) >= self.sizes.max_model_len:
+            self._finish(req, "length")
+        else:
+            req.state = DECODE
 
     def _emit(self, req: Request, tokens: list[int], finished: bool = False, reason: str | None = None,
               error: str | None = None) -> None:
@@ -411,15 +636,17 @@ class Scheduler(SlotAdmission, PrefixCaching, SpeculativeDecoding):
                 log.exception("request %s: its event consumer raised", req.id)
                 self._finish(req, "error", error=f"{type(e).__name__}: {e}")
 
-    def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
-        if req.state == _DONE:
+    def _finish(self, req: Request, reason: str, error: str | None = None, waiting: bool = False) -> None:
+        if req.state == DONE:
             return
+        was_waiting = waiting or req.state == WAITING
         self._release(req)
         if req in self.waiting:
             self.waiting.remove(req)
-        req.state, req.finish_reason, req.error = _DONE, reason, error
+        req.state, req.finish_reason, req.error = DONE, reason, error
         req.finish_time = time.perf_counter()
         self.counters["requests_finished"] += 1
+        self.inbox.finished(was_waiting)
         self._emit(req, [], True, reason, error)
         for hook in self.finish_hooks:
             try:
@@ -427,101 +654,34 @@ class Scheduler(SlotAdmission, PrefixCaching, SpeculativeDecoding):
             except Exception:  # noqa: BLE001 - a hook's failure is logged, the request is already finished
                 log.exception("finish hook raised")
 
-    def _accept_token(self, req: Request, tok: int) -> None:
-        """Record one generated token; finish the request when it stops."""
-        if req.first_token_time is None:
-            req.first_token_time = time.perf_counter()
-        req.tokens.append(tok)
-        self.counters["generated_tokens"] += 1
-        self._emit(req, [tok])
-        if req.state == _DONE:                              # its consumer failed
-            return
-        if tok in req.stops:
-            self._finish(req, "stop")
-        elif len(req.tokens) >= req.params.max_tokens or len(req.prompt) + len(req.tokens) >= self.max_model_len:
-            self._finish(req, "length")
-        else:
-            req.state = _DECODE
+    # ------------------------------------------------------------------------------------------- figures
+    def _publish(self) -> None:
+        pool = self.pool
+        snap = {"slots_in_use": pool.used(), "max_slots": self.sizes.max_slots, "free_pages": pool.free_pages,
+                "num_pages": pool.num_pages, "page_size": self.sizes.page_size, "queue_length": self.inbox.waiting,
+                "requests_live": self.inbox.live, "compiles": dict(self.runner.traces), **self.counters,
+                "prefix": self.prefix.index.snapshot() if self.prefix is not None else None,
+                "spec": self.spec.snapshot() if self.spec is not None else None}
+        self._snapshot = types.MappingProxyType(snap)
 
-    def _prefill_one(self) -> None:
-        cands = [r for r in self.slots if r is not None and r.state == _PREFILL and not r.cancelled]
-        if not cands:
-            return
-        req = min(cands, key=lambda r: r.admitted)
-        n_decode = sum(1 for r in self.slots if r is not None and r.state == _DECODE)
-        # nothing decoding: no stream to stall, the whole chunk; else what the step's budget leaves
-        budget = self.chunk if n_decode == 0 else max(self.buckets[0], self.max_step_tokens - n_decode)
-        want = len(req.sequence) - req.computed
-        ahead = [p for p in req.save_at if p > req.computed]
-        if ahead:                               # a chunk ends where a checkpoint is saved
-            want = min(want, min(ahead) - req.computed)
-        fits = [b for b in self.buckets if b <= budget] or [self.buckets[0]]
-        C = next((b for b in fits if b >= want), fits[-1])
-        n = min(want, C)
-        ids = np.zeros((1, C), np.int32)
-        ids[0, :n] = req.sequence[req.computed:req.computed + n]
-        self.lengths[req.slot] = req.computed
-        embeds = self._chunk_embeds(req, req.computed, C)
-        tok, last, self.cache = self._prefill(self.state, self.cache, _dev(self.table), _dev(self.lengths),
-                                              _i32(req.slot), _dev(ids), _i32(n), self._samp_arrays([req]),
-                                              *(() if embeds is None else (embeds,)))   # None would retrace
-        req.computed += n
-        if self.prefix is not None and req.use_prefix_cache:
-            self._register(req, last if req.computed in req.save_at else None)
-        self.lengths[req.slot] = req.computed
-        self.counters["prefill_chunks"] += 1
-        if req.preemptions == 0 or req.computed > len(req.prompt):
-            self.counters["prompt_tokens"] += n if req.preemptions == 0 else 0
-        if req.computed == len(req.sequence):
-            if req.logits is not None:
-                req.logits.append(np.array(last))
-            self._accept_token(req, int(tok))
-
-    def _chunk_embeds(self, req: Request, start: int, C: int):
-        """``(rows [1, C, hidden], mask [1, C])`` of the request's image rows in ``[start, start + C)``, or None."""
-        if req.embeds is None:
-            return None
-        ov = req.embeds.overlay(start, C)
-        if ov is None:
-            return None
-        return jnp.asarray(ov[0][None], self.cfg.dtype), jnp.asarray(ov[1][None])
-
-    def _decode_all(self) -> None:
-        for r in sorted((r for r in self.slots if r is not None and r.state == _DECODE), key=lambda r: r.admitted):
-            if r.state == _DECODE and r.slot >= 0:
-                self._ensure_page(r)
-        live = [i for i, r in enumerate(self.slots) if r is not None and r.state == _DECODE]
-        if not live:
-            return
-        b = next(x for x in self.decode_sizes if x >= len(live))
-        idle = [i for i in range(self.max_slots) if i not in set(live)]
-        slot_ids = live + idle[: b - len(live)]
-        if self.spec is not None and self._speculate(live, b, slot_ids):
-            return
-        reqs = [self.slots[i] for i in live] + [None] * (b - len(live))
-        t0 = time.perf_counter()
-        tokens = np.array([r.tokens[-1] if r is not None else 0 for r in reqs], np.int32)
-        active = np.array([r is not None for r in reqs])
-        out, logits, self.cache = self._decode(self.state, self.cache, _dev(self.table), _dev(self.lengths),
-                                               _dev(np.array(slot_ids, np.int32)), _dev(tokens), _dev(active),
-                                               self._samp_arrays(reqs))
-        out = np.asarray(out)
-        if self.spec is not None:
-            self._observe(("decode", b), time.perf_counter() - t0)
-        host_logits = np.array(logits) if self.record_logits else None
-        self.counters["decode_steps"] += 1
-        self.counters["decode_rows"] += len(live)
-        for j, r in enumerate(reqs):
-            if r is None:
-                continue
-            self.lengths[r.slot] += 1
-            r.computed += 1
-            if self.prefix is not None and r.use_prefix_cache and r.computed % self.prefix.block == 0:
-                self._register(r, logits[j], provisional=True)     # the end of this turn, so far
-            if host_logits is not None:
-                r.logits.append(host_logits[j])
-            self._accept_token(r, int(out[j]))
+    def check(self, exact: bool = True) -> None:
+        """Assert the slot pool's and the prefix index's invariants (from the scheduler thread: a step hook);
+        ``exact=False`` when pages are also held outside the engine (tests squeezing the pool)."""
+        if self.prefix is not None:
+            self.prefix.index.check()
+        self.pool.check(self.prefix.held_pages() if self.prefix is not None else None, exact)
 
 
-__all__ = ["Scheduler", "SamplingParams", "Request", "TokenEvent", "RequestError", "QueueFull", "PageAllocator",
-           "prefill_buckets", "decode_buckets", "SamplingError"]
+def _content_keys(content_keys, n: int) -> tuple:
+    keys = []
+    for k in content_keys:
+        if not (isinstance(k, tuple) and len(k) == 2 and isinstance(k[0], int) and 0 <= k[0] < n
+                and isinstance(k[1], (bytes, bytearray))):
+            raise RequestError(f"content_keys: expected (position in [0, {n}), digest bytes) pairs, got {k!r}",
+                               "content_keys")
+        keys.append((int(k[0]), bytes(k[1])))
+    return tuple(sorted(keys))
+
+
+__all__ = ["Scheduler", "SamplingParams", "Request", "TokenEvent", "RequestError", "QueueFull", "EngineConfig",
+           "EngineSizes"]

@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import base64
 import binascii
-import threading
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 from k3jax.vision.config import MediaConfig
-from k3jax.vision.model import VisionEncoder
 from k3jax.vision.processor import ImageError, ProcessedImage, process_image
 
 IMAGE_TYPES = ("image_url", "image", "input_image")
@@ -33,16 +31,13 @@ class ImagePolicy:
 
 
 class VisionService:
-    """The server's vision tower: processing, the bucketed encoder (one at a time) and the policy."""
+    """The server's side of images: which ones it accepts (``policy``) and how they are processed (``media``; the
+    ``<|media_pad|>`` id ``pad_id`` their prompts hold). Host only: the engine's vision encoder computes the rows,
+    on the scheduler thread."""
 
-    def __init__(self, encoder: VisionEncoder, media: MediaConfig, pad_id: int, policy: ImagePolicy | None = None):
-        self.encoder, self.media, self.pad_id = encoder, media, pad_id
+    def __init__(self, media: MediaConfig, pad_id: int, policy: ImagePolicy | None = None):
+        self.media, self.pad_id = media, pad_id
         self.policy = policy or ImagePolicy()
-        self.lock = threading.Lock()
-
-    def encode(self, images: list[ProcessedImage]):
-        with self.lock:
-            return self.encoder.encode(images)
 
 
 def image_parts(messages) -> list[tuple[str, dict]]:

@@ -1,6 +1,7 @@
 """The server's Prometheus metrics (one registry per app): request, token and latency series kept by the app, and
-the scheduler's slot, page, queue, compile, prefix-cache and speculative-decoding figures read from :meth:`Scheduler.snapshot` at
-scrape time."""
+the scheduler's slot, page, queue, compile, prefix-cache and speculative-decoding figures read from the snapshot the
+scheduler publishes after each step (:meth:`Scheduler.snapshot`: immutable, read at scrape time without touching
+engine state)."""
 
 from __future__ import annotations
 
@@ -46,7 +47,8 @@ _SCHEDULER = [("slots_in_use", "gauge", "decode slots holding a sequence"), ("ma
               ("preemptions", "counter", "sequences preempted for lack of pages (re-queued and recomputed)"),
               ("steps", "counter", "scheduler steps"), ("decode_steps", "counter", "decode steps"),
               ("decode_rows", "counter", "sequences advanced by decode steps (÷ decode_steps: mean batch)"),
-              ("prefill_chunks", "counter", "prefill chunks run")]
+              ("prefill_chunks", "counter", "prefill chunks run"),
+              ("mixed_steps", "counter", "steps whose one forward carried decoding rows and a prefill chunk")]
 _PREFIX = [("lookups", "counter", "prefix-cache lookups (admissions with the cache on)"),
            ("hits", "counter", "lookups that resumed from a cached prefix"),
            ("queried_tokens", "counter", "tokens of the sequences looked up"),

@@ -1,13 +1,16 @@
-"""Build and run the server: load a model, size the slot pool and page pool, compile, then serve with uvicorn.
+"""Build and run the server: load a model, build the engine from an :class:`~k3jax.infer.config.EngineConfig`,
+compile, then serve with uvicorn.
 
-``build_server(...)`` returns a :class:`Server` (scheduler warmed up and started, app built) that
-``Server.run()`` serves in the foreground (Ctrl-C / SIGTERM: drain, then exit) or ``Server.start_background()``
-serves from a thread (tests, benchmarks, notebooks); ``Server.url`` is where it listens.
+``build_server(model, EngineConfig(...), ServerOptions(...))`` returns a :class:`Server` (scheduler warmed up and
+started, app built) that ``Server.run()`` serves in the foreground (Ctrl-C / SIGTERM: drain, then exit) or
+``Server.start_background()`` serves from a thread (tests, benchmarks, notebooks); ``Server.url`` is where it
+listens. :class:`ServerOptions` holds the options that are not the engine's (address, names, images);
+``k3jax serve`` makes its flags from both dataclasses.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import json
 import logging
 import socket
 import threading
@@ -18,12 +21,38 @@ from typing import Callable
 
 import uvicorn
 
+from k3jax.infer.config import EngineConfig, option
 from k3jax.infer.load import load_model
 from k3jax.infer.scheduler import Scheduler
-from k3jax.infer.speculative import SpecConfig
 from k3jax.serve.app import ServeConfig, create_app
 
 log = logging.getLogger("k3jax.serve")
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """What ``k3jax serve`` takes besides the engine's options (each with its one default)."""
+
+    host: str = option("127.0.0.1", "bind address (default loopback only)")
+    port: int = option(8000, "port (0: a free one)")
+    served_model_name: str | None = option(None, "the model id clients send (default: the path's name)")
+    default_max_tokens: int = option(256, "max_tokens when a request gives none")
+    drain_timeout: float = option(10.0, "seconds running requests may finish in after Ctrl-C / SIGTERM",
+                                  parse=float)
+    dtype: str | None = option(None, "compute dtype override (float32, bfloat16)")
+    vision: bool = option(True, "load a checkpoint's vision tower when its config has one")
+    image_dir: str | None = option(None, "allow chat image_url parts naming local files under DIR (default: "
+                                         "data: URLs only)", metavar="DIR")
+    allow_remote_images: bool = option(False, "fetch http(s) image URLs (10 s timeout, 20 MiB limit); refused "
+                                              "with a 400 otherwise")
+
+    def __post_init__(self):
+        if not isinstance(self.port, int) or not 0 <= self.port < 65536:
+            raise ValueError(f"port: expected an integer in [0, 65536), got {self.port!r}")
+        if not isinstance(self.default_max_tokens, int) or self.default_max_tokens < 1:
+            raise ValueError(f"default_max_tokens: expected an integer ≥ 1, got {self.default_max_tokens!r}")
+        if not self.drain_timeout >= 0:
+            raise ValueError(f"drain_timeout: expected seconds ≥ 0, got {self.drain_timeout!r}")
 
 
 @dataclass
@@ -87,103 +116,105 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def build_server(model: str | object, *, host: str = "127.0.0.1", port: int = 8000, max_slots: int = 8,
-                 max_model_len: int | None = None, kv_cache_memory: int | None = None, chunk: int = 256,
-                 page_size: int = 64, max_queue: int = 256, max_step_tokens: int | None = None,
-                 served_model_name: str | None = None, tokenizer=None, dtype: str | None = None,
-                 default_max_tokens: int = 256, drain_timeout: float = 10.0, prefix_cache: bool = True,
-                 prefix_cache_memory: int | None = None, prefix_cache_stride: int = 4,
-                 prefix_cache_verify: bool = False, speculative: str | SpecConfig | None = None,
-                 speculative_adaptive: bool = True, draft_model=None, vision: bool | None = None,
-                 image_dir: str | Path | None = None, allow_remote_images: bool = False,
+def build_server(model, engine: EngineConfig | None = None, options: ServerOptions | None = None, *,
+                 tokenizer=None, draft_model=None, encoder=None, pad_id: int | None = None,
                  say: Callable[[str], None] | None = None) -> Server:
-    """Load ``model`` (a path or preset, as ``k3jax generate --model``; or a loaded :class:`K3ForCausalLM` with
-    ``tokenizer``), build the scheduler, compile its steps (``say`` reports progress), start it and build the
-    app. ``port`` 0 picks a free port. ``speculative``: ``ngram:K`` or ``draft:PATH:K`` (or a
-    :class:`~k3jax.infer.speculative.SpecConfig`); ``speculative_adaptive=False`` speculates whenever there are
-    drafts (no fallback); ``draft_model`` a loaded draft instead of PATH. ``vision``: load the checkpoint's vision
-    tower so chat requests may carry images (default: when its config.json has a ``vision_config``; a loaded
-    :class:`~k3jax.vision.model.K3ForConditionalGeneration` always); ``image_dir``: local image paths allowed under
-    it; ``allow_remote_images``: fetch http(s) image URLs."""
+    """Load ``model`` (a path or preset, as ``k3jax generate --model``; or a loaded :class:`K3ForCausalLM` /
+    :class:`~k3jax.vision.model.K3ForConditionalGeneration` with ``tokenizer``), build the scheduler from
+    ``engine``, compile its steps (``say`` reports progress), start it and build the app. ``draft_model``: a
+    loaded draft for ``engine.speculative`` = ``draft:PATH:K`` instead of PATH; ``encoder`` / ``pad_id``: a vision
+    encoder for a text model object (images then reach the engine through an app made with a
+    :class:`~k3jax.serve.images.VisionService`)."""
+    engine, options = engine or EngineConfig(), options or ServerOptions()
     say = say or (lambda s: log.info(s))
     t0 = time.perf_counter()
-    media = None
-    if isinstance(model, (str, Path)):
-        path = Path(str(model))
-        name = served_model_name or path.name
-        if vision is None:
-            vision = _has_vision_config(path)
-        say(f"loading {model}{' with its vision tower' if vision else ''}")
-        model, tok, what = load_model(str(model), dtype=dtype, vision=bool(vision))
-        tokenizer = tokenizer or tok
-        if vision:
-            from k3jax.vision.config import MediaConfig
-
-            media = MediaConfig.from_dir(path)
-    else:
-        name = served_model_name or "k3jax"
-        what = "model object"
-        if tokenizer is None:
-            raise ValueError("tokenizer: required when a model object is passed")
+    model, tokenizer, name, what, media = _load(model, tokenizer, options, say)
     service = None
     from k3jax.vision.model import K3ForConditionalGeneration
 
     if isinstance(model, K3ForConditionalGeneration):
-        from k3jax.infer.multimodal import check_pad_token
-        from k3jax.serve.images import ImagePolicy, VisionService
-        from k3jax.vision.config import MediaConfig
-
-        check_pad_token(model, tokenizer)
-        policy = ImagePolicy(image_dir=Path(image_dir) if image_dir is not None else None,
-                             allow_remote=allow_remote_images)
-        service = VisionService(model.encoder(), media or MediaConfig(), model.pad_id, policy)
-        model = model.language_model
-        say(f"vision: {model_vision_summary(service)}")
-    spec = SpecConfig.parse(speculative) if isinstance(speculative, str) else speculative
-    if spec is not None and not speculative_adaptive:
-        spec = dataclasses.replace(spec, adaptive=False)
+        service, encoder, pad_id, model = _vision(model, tokenizer, media, options, say)
+    spec = engine.speculative
     if spec is not None and spec.method == "draft" and draft_model is None:
         say(f"loading the draft model {spec.draft}")
         draft_model, _, dwhat = load_model(spec.draft)
         say(f"draft: {dwhat}")
-    sched = Scheduler(model, max_slots=max_slots, max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
-                      chunk=chunk, page_size=page_size, max_queue=max_queue, max_step_tokens=max_step_tokens,
-                      prefix_cache=prefix_cache, prefix_cache_memory=prefix_cache_memory,
-                      prefix_stride=prefix_cache_stride, prefix_verify=prefix_cache_verify, speculative=spec,
-                      draft_model=draft_model)
-    mem = sched.memory()
-    say(f"{what}: {max_slots} slots × max_model_len {sched.max_model_len}; cache: KDA state "
+    sched = Scheduler(model, engine, draft_model=draft_model, encoder=encoder, pad_id=pad_id)
+    _describe(sched, what, say)
+    sz = sched.sizes
+    say(f"compiling: prefill chunks {list(sz.prefill)} (batch 1), decode batches {list(sz.decode)}"
+        + (f", mixed with chunks {list(sz.mixed_chunks())}" if engine.mixed_steps else "") + " …")
+    t1 = time.perf_counter()
+    shapes = sched.warmup()
+    say(f"compiled in {time.perf_counter() - t1:.1f} s: prefill {shapes['prefill']}, decode {shapes['decode']}"
+        + (f", mixed {shapes['mixed']}" if shapes["mixed"] else "")
+        + (f", speculative {shapes['speculative']}" if "speculative" in shapes else ""))
+    sched.start()
+    app = create_app(sched, tokenizer, ServeConfig(model_name=name, max_model_len=sz.max_model_len,
+                                                   default_max_tokens=options.default_max_tokens,
+                                                   drain_timeout=options.drain_timeout), vision=service)
+    port = options.port or free_port(options.host)
+    return Server(sched, tokenizer, app, options.host, port, name, shapes, time.perf_counter() - t0)
+
+
+def _load(model, tokenizer, options: ServerOptions, say):
+    """``(model, tokenizer, served name, description, media config or None)``."""
+    if not isinstance(model, (str, Path)):
+        if tokenizer is None:
+            raise ValueError("tokenizer: required when a model object is passed")
+        return model, tokenizer, options.served_model_name or "k3jax", "model object", None
+    path = Path(str(model))
+    vision = options.vision and _has_vision_config(path)
+    say(f"loading {model}{' with its vision tower' if vision else ''}")
+    loaded, tok, what = load_model(str(model), dtype=options.dtype, vision=vision)
+    media = None
+    if vision:
+        from k3jax.vision.config import MediaConfig
+
+        media = MediaConfig.from_dir(path)
+    return loaded, tokenizer or tok, options.served_model_name or path.name, what, media
+
+
+def _vision(model, tokenizer, media, options: ServerOptions, say):
+    """The multimodal model's parts: ``(VisionService, encoder, pad id, text model)``."""
+    from k3jax.infer.multimodal import check_pad_token
+    from k3jax.serve.images import ImagePolicy, VisionService
+    from k3jax.vision.config import MediaConfig
+
+    check_pad_token(model, tokenizer)
+    policy = ImagePolicy(image_dir=Path(options.image_dir) if options.image_dir is not None else None,
+                         allow_remote=options.allow_remote_images)
+    service = VisionService(media or MediaConfig(), model.pad_id, policy)
+    encoder = model.encoder()
+    c = encoder.cfg
+    say(f"vision: MoonViT {c.vt_num_hidden_layers} blocks × {c.vt_hidden_size}, patch buckets "
+        f"{list(encoder.buckets)}; images from data: URLs{f', files under {policy.image_dir}' if policy.image_dir else ''}"
+        f"{', remote URLs' if policy.allow_remote else ''}")
+    return service, encoder, model.pad_id, model.language_model
+
+
+def _describe(sched: Scheduler, what: str, say) -> None:
+    mem, sz = sched.memory(), sched.sizes
+    say(f"{what}: {sz.max_slots} slots × max_model_len {sz.max_model_len}; cache: KDA state "
         f"{mem['kda_state_bytes_per_slot']:,} bytes per slot, MLA latent {mem['mla_bytes_per_token']:,} bytes per "
-        f"token in {sched.num_pages} pages of {sched.page_size} tokens ({mem['mla_pool_bytes']:,} bytes); "
+        f"token in {sz.num_pages} pages of {sz.page_size} tokens ({mem['mla_pool_bytes']:,} bytes); "
         f"total {mem['total_bytes']:,} bytes")
     if sched.prefix is not None:
-        say(f"prefix cache: {sched.prefix.block}-token blocks, a KDA checkpoint every {sched.prefix.stride} blocks "
-            f"and at each prompt's last boundary ({mem['prefix_checkpoint_bytes']:,} bytes each); budget "
-            f"{mem['prefix_budget_bytes']:,} bytes{'; verifying every hit' if sched.prefix_verify else ''}")
+        idx = sched.prefix.index
+        say(f"prefix cache: {idx.block}-token blocks, a KDA checkpoint every {idx.stride} blocks and at each "
+            f"prompt's last boundary ({mem['prefix_checkpoint_bytes']:,} bytes each); budget "
+            f"{mem['prefix_budget_bytes']:,} bytes{'; verifying every hit' if sched.prefix.verify else ''}")
     else:
         say("prefix cache: off")
+    spec = sched.config.speculative
     if spec is not None:
         say(f"speculative decoding: {spec.describe()}; "
             f"{'falls back to plain decode when drafts do not pay' if spec.adaptive else 'no fallback'}; "
             f"verify records {mem['spec_record_bytes_per_slot']:,} bytes per slot (vs "
             f"{mem['spec_state_snapshots_bytes_per_slot']:,} for a KDA state per draft position)")
-    say(f"compiling: prefill chunks {list(sched.buckets)} (batch 1) and decode batches {list(sched.decode_sizes)} …")
-    t1 = time.perf_counter()
-    shapes = sched.warmup()
-    say(f"compiled in {time.perf_counter() - t1:.1f} s: prefill {shapes['prefill']}, decode {shapes['decode']}"
-        + (f", speculative {shapes['speculative']}" if "speculative" in shapes else ""))
-    sched.start()
-    app = create_app(sched, tokenizer, ServeConfig(model_name=name, max_model_len=sched.max_model_len,
-                                                   default_max_tokens=default_max_tokens,
-                                                   drain_timeout=drain_timeout), vision=service)
-    if port == 0:
-        port = free_port(host)
-    return Server(sched, tokenizer, app, host, port, name, shapes, time.perf_counter() - t0)
 
 
 def _has_vision_config(path: Path) -> bool:
-    import json
-
     f = path / "config.json"
     if not (path.is_dir() and f.exists() and any(path.glob("*.safetensors"))):
         return False
@@ -193,12 +224,4 @@ def _has_vision_config(path: Path) -> bool:
         return False
 
 
-def model_vision_summary(service) -> str:
-    c = service.encoder.cfg
-    p = service.policy
-    return (f"MoonViT {c.vt_num_hidden_layers} blocks × {c.vt_hidden_size}, patch buckets "
-            f"{list(service.encoder.buckets)} (compiled on first use); images from data: URLs"
-            f"{f', files under {p.image_dir}' if p.image_dir else ''}{', remote URLs' if p.allow_remote else ''}")
-
-
-__all__ = ["Server", "build_server", "free_port"]
+__all__ = ["Server", "ServerOptions", "build_server", "free_port"]

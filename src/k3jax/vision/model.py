@@ -55,12 +55,12 @@ class MultimodalPrompt:
         return rows, mask
 
 
-def splice_prompt(ids: Sequence[int], features: Sequence[np.ndarray], pad_id: int,
-                  digests: Sequence[bytes] = ()) -> MultimodalPrompt:
-    """Spec §7: ``ids`` holding one ``pad_id`` per image (expanded here to Nᵢ) or exactly ΣNᵢ pads (pre-expanded,
-    replaced 1:1, in order). Any other count raises :class:`PromptError`."""
+def expand_pads(ids: Sequence[int], counts: Sequence[int], pad_id: int) -> tuple[list[int], list[int]]:
+    """Spec §7 on the ids alone: ``ids`` holding one ``pad_id`` per image (expanded here to ``counts[i]``) or exactly
+    Σ counts pads (pre-expanded, kept). Returns ``(ids, first pad position per image)``; any other pad count raises
+    :class:`PromptError`. Host only: what a prompt will be before its image rows are computed."""
     ids = [int(t) for t in ids]
-    counts = [int(f.shape[0]) for f in features]
+    counts = [int(c) for c in counts]
     n_pad = sum(1 for t in ids if t == pad_id)
     if n_pad == len(counts) and (n_pad != sum(counts) or n_pad == 0):
         out: list[int] = []
@@ -73,8 +73,8 @@ def splice_prompt(ids: Sequence[int], features: Sequence[np.ndarray], pad_id: in
                 k += 1
             else:
                 out.append(t)
-    elif n_pad == sum(counts):
-        out = ids
+        return out, firsts
+    if n_pad == sum(counts):
         firsts, k, run = [], 0, 0
         for pos, t in enumerate(ids):
             if t == pad_id:
@@ -83,10 +83,17 @@ def splice_prompt(ids: Sequence[int], features: Sequence[np.ndarray], pad_id: in
                 run += 1
                 if run == counts[k]:
                     k, run = k + 1, 0
-    else:
-        raise PromptError(f"the prompt has {n_pad} <|media_pad|> (id {pad_id}) tokens for {len(counts)} images of "
-                          f"{counts} feature rows: expected {len(counts)} (one per image) or {sum(counts)} "
-                          f"(pre-expanded)")
+        return ids, firsts
+    raise PromptError(f"the prompt has {n_pad} <|media_pad|> (id {pad_id}) tokens for {len(counts)} images of "
+                      f"{counts} feature rows: expected {len(counts)} (one per image) or {sum(counts)} "
+                      f"(pre-expanded)")
+
+
+def splice_prompt(ids: Sequence[int], features: Sequence[np.ndarray], pad_id: int,
+                  digests: Sequence[bytes] = ()) -> MultimodalPrompt:
+    """Spec §7: ``ids`` holding one ``pad_id`` per image (expanded here to Nᵢ) or exactly ΣNᵢ pads (pre-expanded,
+    replaced 1:1, in order), the image features spliced at the pads. Any other count raises :class:`PromptError`."""
+    out, firsts = expand_pads(ids, [int(f.shape[0]) for f in features], pad_id)
     positions = np.flatnonzero(np.asarray(out) == pad_id) if out else np.zeros(0, np.int64)
     rows = np.concatenate([np.asarray(f) for f in features]) if features else np.zeros((0, 0), np.float32)
     keys = tuple((int(p), bytes(d)) for p, d in zip(firsts, digests)) if digests else ()
