@@ -6,8 +6,8 @@ and a long chunked prefill's peak memory.
     .venv/bin/python -m benchmarks.inference vs-transformers [--tokens 64] [--json out.json]
     .venv/bin/python -m benchmarks.inference prefill [--tokens 131072] [--json out.json]   (one process per run)
 
-``decode``: per-token latency of the jitted decode step of the ``100m`` preset (9 KDA + 3 MLA layers) with a
-filled cache of ``context`` tokens — the cache is filled with random latents, not by a prefill, since the step's
+``decode``: per-token latency of the model's jitted decode step (one token over a contiguous cache, greedy) of the
+``100m`` preset (9 KDA + 3 MLA layers) with a filled cache of ``context`` tokens — the cache is filled with random latents, not by a prefill, since the step's
 work does not depend on the values — median of ``--steps`` steps after warm-up; also the same-size KDA-only and
 MLA-only variants, which separate the flat KDA part from the MLA part that grows with the context.
 ``cache``: per-sequence bytes of the engine's cache arrays at each context, next to ``k3jax inspect``'s
@@ -70,26 +70,43 @@ def filled_cache(cfg: K3Config, context: int, extra: int, chunk: int, seed: int 
     return dataclasses.replace(cache, layers=tuple(layers), lengths=jnp.full((1,), context, jnp.int32))
 
 
+def decode_step(model):
+    """The model's one-token decode step over a contiguous cache (greedy), jitted; ``.compiles`` counts traces."""
+    graphdef, state = nnx.split(model)
+
+    def step(state, cache, tok):
+        run.compiles += 1
+        out = nnx.merge(graphdef, state)(tok[:, None], cache=cache)
+        return jnp.argmax(out.logits[:, 0], axis=-1).astype(jnp.int32), out.cache
+
+    fn = jax.jit(step, donate_argnums=(1,))
+
+    def run(cache, tok):
+        return fn(state, cache, tok)
+
+    run.compiles = 0
+    return run
+
+
 def bench_decode(contexts: list[int], steps: int, kinds: list[str]) -> list[dict]:
     rows = []
     for kind in kinds:
         cfg = variant(kind, max(contexts) + 1024)
         model = K3ForCausalLM(cfg, rngs=nnx.Rngs(0))
-        engine = Engine(model, chunk=256)
+        step = decode_step(model)
         for ctx in contexts:
             cache = filled_cache(cfg, ctx, steps + 8, 256)
             tok = jnp.zeros((1,), jnp.int32)
-            args = (jax.random.key(0), jnp.float32(0), jnp.int32(0), jnp.float32(1))
             times = []
             for i in range(steps + 3):
                 t = time.perf_counter()
-                tok, _, cache = engine._decode(engine.state, cache, tok, *args)
+                tok, cache = step(cache, tok)
                 tok.block_until_ready()
                 if i >= 3:
                     times.append(time.perf_counter() - t)
             lat = statistics.median(times)
             rows.append({"model": kind, "context": ctx, "bucket": cache.capacity or None, "latency_ms": 1e3 * lat, "tokens_per_s": 1 / lat,
-                         "compiles": dict(engine.traces)})
+                         "compiles": {"decode": step.compiles}})
             print(f"decode {kind:>9} context {ctx:>6}: {1e3 * lat:7.2f} ms/token ({1 / lat:6.1f} tokens/s)",
                   flush=True)
     for kind in kinds:

@@ -12,8 +12,9 @@ on with the same requests sent with ``use_prefix_cache=False`` through the same 
     first turn alone, then every round sends each user's next turn concurrently. Hit rate = tokens served from the
     cache / tokens a 512-granular cache could reuse: per request, the longest common prefix with any sequence
     (prompt + answer) finished before it was sent, rounded down to 512 (capped at the prompt). Prefill time = the
-    wall time of the prefill chunks (each timed to completion); also the workload's wall time and the greedy
-    tokens (equal with the cache on and off).
+    wall time of the steps that carry a prefill chunk (each timed to completion; the decoding rows the same
+    forward carries are included, since mixed steps run them together); also the workload's wall time and the
+    greedy tokens (equal with the cache on and off).
 (b) **TTFT**: an 8000-token shared prefix (``prefix``; the 100m preset has 8192 positions) + 100 new tokens,
     miss (prefix never seen) vs hit (the prefix seen once with other 100 tokens), median of ``reps``; target ≥ 5×
     lower with the hit.
@@ -53,16 +54,17 @@ def lcp(a, b) -> int:
 
 
 def timed_prefill(sched) -> list[float]:
-    """Wrap the scheduler's prefill step so each chunk is timed to completion (benchmark only)."""
-    times, inner = [], sched._prefill
+    """Wrap the model runner so each step that carries a prefill chunk is timed to completion (its decoding rows,
+    run in the same forward, included; benchmark only)."""
+    times, inner = [], sched.runner.execute
 
-    def run(*a):
-        t = time.perf_counter()
-        out = jax.block_until_ready(inner(*a))
-        times.append(time.perf_counter() - t)
+    def run(plan):
+        out = inner(plan)
+        if plan.chunk is not None:
+            times.append(out.seconds)
         return out
 
-    sched._prefill = run
+    sched.runner.execute = run
     return times
 
 
@@ -128,7 +130,8 @@ def checkpoint_bytes(sched, cfg) -> dict:
     ins = next(iter(inspect_config(cfg)["decode_state_bytes_per_sequence"].values()))
     kda_inspect = ins["kda_recurrent_state"] + ins["kda_conv_state"]
     mem = sched.memory()
-    held = [n.checkpoint.nbytes for n in sched.prefix.nodes.values() if n.checkpoint is not None]
+    held = sched.call(lambda: [n.checkpoint.nbytes for n in sched.prefix.index.nodes.values()
+                               if n.checkpoint is not None])
     return {"checkpoint_bytes": mem["prefix_checkpoint_bytes"], "measured_checkpoint_bytes": held[:1],
             "kda_state_bytes_per_slot": mem["kda_state_bytes_per_slot"], "logits_bytes": cfg.vocab_size * 4,
             "inspect_kda_state_bytes": kda_inspect, "ratio_vs_inspect": mem["prefix_checkpoint_bytes"] / kda_inspect,
@@ -165,6 +168,7 @@ def main(argv=None) -> dict:
     p = dict(QUICK if args.quick else FULL)
 
     from k3jax import K3Config, K3ForCausalLM
+    from k3jax.infer import EngineConfig
     from k3jax.infer.scheduler import Scheduler
 
     cfg = K3Config.from_preset(args.preset)
@@ -173,8 +177,8 @@ def main(argv=None) -> dict:
     if max_len > cfg.max_position_embeddings:      # refuse before any work, not after the chat runs
         ap.error(f"the workload needs {max_len} tokens per sequence; {args.preset}'s max_position_embeddings is "
                  f"{cfg.max_position_embeddings}")
-    sched = Scheduler(model, max_slots=8, max_model_len=min(cfg.max_position_embeddings, -(-max_len // 64) * 64),
-                      page_size=64, chunk=256)
+    sched = Scheduler(model, EngineConfig(max_slots=8, page_size=64, chunk=256,
+                                          max_model_len=min(cfg.max_position_embeddings, -(-max_len // 64) * 64)))
     t = time.perf_counter()
     sched.warmup()
     print(f"warmup {time.perf_counter() - t:.1f} s", file=sys.stderr)
@@ -194,10 +198,12 @@ def main(argv=None) -> dict:
     same = off.pop("answers") == on.pop("answers")
     res = {"benchmark": "prefix_cache", "params": p, "preset": args.preset, "backend": jax.default_backend(),
            "devices": [str(d) for d in jax.devices()], "cpu_count": os.cpu_count(), "python": platform.python_version(),
-           "jax": jax.__version__, "scheduler": {"max_slots": sched.max_slots, "max_model_len": sched.max_model_len,
-                                                 "page_size": sched.page_size, "chunk": sched.chunk,
-                                                 "prefix_stride": sched.prefix.stride,
-                                                 "prefix_budget_bytes": sched.prefix.budget},
+           "jax": jax.__version__, "scheduler": {"max_slots": sched.sizes.max_slots,
+                                                 "max_model_len": sched.sizes.max_model_len,
+                                                 "page_size": sched.sizes.page_size, "chunk": sched.sizes.chunk,
+                                                 "prefix_stride": sched.prefix.index.stride,
+                                                 "prefix_budget_bytes": sched.prefix.index.budget,
+                                                 "mixed_steps": sched.config.mixed_steps},
            "chat": {"users": p["users"], "turns": p["turns"], "system_tokens": p["system"], "off": off, "on": on,
                     "prefill_speedup": off["prefill_s"] / on["prefill_s"], "greedy_identical": same},
            "ttft": tt, "checkpoint": ck, "prefix_stats": snap["prefix"], "compiles": snap["compiles"],

@@ -78,6 +78,10 @@ BENCHMARKS: dict[str, Bench] = {
     "serve": Bench("serve", "HTTP server (100m): tokens/s, TTFT, TPOT at concurrency 1-32 vs sequential "
                    "Engine.generate; cache per slot vs `inspect`", "serve", ("--plot", "benchmarks/serve.png"),
                    ("--quick",)),
+    "serve_mixed": Bench("serve_mixed", "HTTP server (100m): TPOT p50/p99 and tokens/s of 16 decode streams while "
+                         "1024-token prompts keep arriving, mixed steps vs two forwards per step; steady decode step "
+                         "time with fresh host buffers vs blocking copies", "serve_mixed",
+                         ("--plot", "benchmarks/serve_mixed.png"), ("--quick",)),
     "prefix_cache": Bench("prefix_cache", "KDA-aware prefix cache (100m): multi-turn chat hit rate and prefill time, "
                           "TTFT of an 8k shared prefix hit vs miss, checkpoint bytes vs `inspect`", "prefix_cache",
                           ("--plot", "benchmarks/prefix_cache.png"), ("--quick",)),

@@ -116,8 +116,8 @@ def run_sequential(model, mix: list[dict], chunk: int) -> tuple[dict, list[list[
     engine = Engine(model, chunk=chunk)
     buckets = sorted({length_bucket(len(r["prompt"]) + r["max_tokens"], chunk) for r in mix})
     t = time.perf_counter()
-    for b in buckets:                                  # compile prefill + decode for every cache bucket of the mix
-        engine.generate([[1] * (b - 2)], 2)
+    for b in buckets:                                  # compile every step shape for every cache bucket of the mix
+        engine.scheduler(1, b).warmup()
     warm = time.perf_counter() - t
     print(f"sequential: engine warmed up on cache buckets {buckets} in {warm:.1f} s", flush=True)
     traces0 = dict(engine.traces)
@@ -226,8 +226,9 @@ def cache_memory(sched, cfg, contexts: list[int]) -> dict:
                      "inspect_is_reported_context": str(T) in inspect,
                      "ratio_vs_inspect": per_slot(T) / ins, "prediction_at_model_dtype_bytes": own,
                      "ratio_vs_model_dtype_prediction": per_slot(T) / own})
-    return {**mem, "max_slots": sched.max_slots, "max_model_len": sched.max_model_len, "page_size": sched.page_size,
-            "num_pages": sched.num_pages, "allocated_bytes_per_slot": mem["total_bytes"] / sched.max_slots,
+    sz = sched.sizes
+    return {**mem, "max_slots": sz.max_slots, "max_model_len": sz.max_model_len, "page_size": sz.page_size,
+            "num_pages": sz.num_pages, "allocated_bytes_per_slot": mem["total_bytes"] / sz.max_slots,
             "model_dtype": str(cfg.dtype), "inspect_convention": "bf16 activations (conv windows, MLA latent); "
             "KDA state fp32", "rows": rows}
 
@@ -299,6 +300,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--max-step-tokens", type=int, default=None,
                     help="the server's per-step token budget (decode tokens + one prefill chunk; default its chunk)")
+    ap.add_argument("--no-mixed-steps", action="store_true", help="the server runs decode rows and a prefill chunk "
+                    "as two forwards (EngineConfig.mixed_steps off)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plot", default=None, help="write a PNG of tokens/s and TPOT vs concurrency here")
     ap.add_argument("--json", default=None)
@@ -314,7 +317,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     from k3jax import K3ForCausalLM
     from k3jax.config import resolve_config
-    from k3jax.serve import build_server
+    from k3jax.infer import EngineConfig
+    from k3jax.serve import ServerOptions, build_server
 
     load0 = os.getloadavg()
     cfg = resolve_config(a.preset)
@@ -324,7 +328,8 @@ def main(argv: list[str] | None = None) -> dict:
     setup = {"preset": a.preset, "params": int(n_params), "weights": "random (nnx.Rngs(0))", "dtype": str(cfg.dtype),
              "requests": n_req, "prompt_lengths": prompts, "output_lengths": outputs, "seed": a.seed,
              "concurrency": levels, "max_slots": max_slots, "max_model_len": max_len, "chunk": a.chunk,
-             "max_step_tokens": a.max_step_tokens or a.chunk, "page_size": a.page_size, "prompt_tokens": sum(len(r["prompt"]) for r in mix),
+             "max_step_tokens": a.max_step_tokens or a.chunk, "page_size": a.page_size,
+             "mixed_steps": not a.no_mixed_steps, "prompt_tokens": sum(len(r["prompt"]) for r in mix),
              "output_tokens": sum(r["max_tokens"] for r in mix), "sampling": "greedy, ignore_eos, stream",
              "tokenizer": "IdTokenizer (one character per id)", "client": "httpx.AsyncClient over 127.0.0.1"}
     print(f"serve: {a.preset} ({n_params / 1e6:.0f}M params), {n_req} requests (prompts {prompts}, outputs "
@@ -334,8 +339,10 @@ def main(argv: list[str] | None = None) -> dict:
     seq, seq_tokens = run_sequential(model, mix, a.chunk)
 
     t = time.perf_counter()
-    srv = build_server(model, tokenizer=IdTokenizer(cfg), port=0, max_slots=max_slots, max_model_len=max_len,
-                       chunk=a.chunk, page_size=a.page_size, max_step_tokens=a.max_step_tokens, say=lambda s: print(f"server: {s}", flush=True))
+    engine = EngineConfig(max_slots=max_slots, max_model_len=max_len, chunk=a.chunk, page_size=a.page_size,
+                          max_step_tokens=a.max_step_tokens, mixed_steps=not a.no_mixed_steps)
+    srv = build_server(model, engine, ServerOptions(port=0), tokenizer=IdTokenizer(cfg),
+                       say=lambda s: print(f"server: {s}", flush=True))
     srv.start_background()
     startup = time.perf_counter() - t
     compiles0 = dict(srv.scheduler.snapshot()["compiles"])

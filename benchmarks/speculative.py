@@ -74,7 +74,7 @@ def run(sched, batch: list[list[int]], params, spec: bool, predictions=None) -> 
     t0 = min(r.first_token_time for r in reqs)
     t1 = max(r.finish_time for r in reqs)
     n = sum(len(r.tokens) - 1 for r in reqs)
-    drafted, accepted = sum(r.spec_drafted for r in reqs), sum(r.spec_accepted for r in reqs)
+    drafted, accepted = sum(r.spec.drafted for r in reqs), sum(r.spec.accepted for r in reqs)
     return {"tokens": [list(r.tokens) for r in reqs], "decode_tokens": n, "decode_s": t1 - t0,
             "tokens_per_s": n / (t1 - t0), "drafted": drafted, "accepted": accepted,
             "acceptance_rate": accepted / drafted if drafted else None}
@@ -95,7 +95,7 @@ def workload_rows(sched, p: dict, vocab: int, label: str) -> list[dict]:
             else:
                 params = [SamplingParams(max_tokens=p["answer"], ignore_eos=True, temperature=p["temperature"],
                                          seed=100 + i) for i in range(n_req)]
-            plain, spec, rounds0 = [], [], sched.counters["spec_rounds"]
+            plain, spec, rounds0 = [], [], sched.snapshot()["spec"]["rounds"]
             for lo in range(0, n_req, group):
                 sl = slice(lo, lo + group)
                 a = run(sched, ps[sl], params[sl], False)
@@ -103,7 +103,7 @@ def workload_rows(sched, p: dict, vocab: int, label: str) -> list[dict]:
                 b = run(sched, ps[sl], params[sl], True, preds)
                 plain.append(a)
                 spec.append(b)
-            rounds = sched.counters["spec_rounds"] - rounds0
+            rounds = sched.snapshot()["spec"]["rounds"] - rounds0
             agg = lambda xs, k: sum(x[k] for x in xs)  # noqa: E731
             tp = agg(plain, "decode_tokens") / agg(plain, "decode_s")
             ts = agg(spec, "decode_tokens") / agg(spec, "decode_s")
@@ -146,7 +146,7 @@ def replay_cost(cfg, k: int, step_seconds: dict) -> list[dict]:
             t = time.perf_counter()
             jax.block_until_ready(accept(pending, n))
             ts.append(time.perf_counter() - t)
-        dec = step_seconds.get(("decode", b))
+        dec = step_seconds.get(("decode", b, 0))
         out.append({"batch": b, "tokens": T, "replay_s": float(np.median(ts)), "decode_step_s": dec,
                     "replay_vs_decode": float(np.median(ts)) / dec if dec else None})
     return out
@@ -190,6 +190,7 @@ def main(argv=None) -> dict:
     p = dict(QUICK if args.quick else FULL)
 
     from k3jax import K3Config, K3ForCausalLM
+    from k3jax.infer import EngineConfig
     from k3jax.infer.scheduler import Scheduler
     from k3jax.infer.speculative import SpecConfig
 
@@ -206,19 +207,21 @@ def main(argv=None) -> dict:
     rows, costs, memory, compiles = [], {}, {}, {}
     replay = None
     for label, spec, dm in settings:
-        sched = Scheduler(model, max_slots=SLOTS, max_model_len=max_len, page_size=64, chunk=256, speculative=spec,
-                          draft_model=dm)
+        sched = Scheduler(model, EngineConfig(max_slots=SLOTS, max_model_len=max_len, page_size=64, chunk=256,
+                                              speculative=spec), draft_model=dm)
         t = time.perf_counter()
         sched.warmup()
         print(f"{label}: warmup {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
         sched.start()
         try:
             rows += workload_rows(sched, p, cfg.vocab_size, label)
-            costs[label] = {f"{kind}@{b}": s for (kind, b), s in sorted(sched.step_seconds.items())}
+            steps = sched.call(lambda: dict(sched.spec.step_seconds))
+            costs[label] = {f"{kind}@{b}" + (f"+{C}" if C else ""): s for (kind, b, C), s in sorted(steps.items(),
+                                                                                                     key=str)}
             memory[label] = sched.memory()
-            compiles[label] = dict(sched.traces)
+            compiles[label] = dict(sched.snapshot()["compiles"])
             if spec.method == "ngram" and spec.k == max(p["ks"]):
-                replay = replay_cost(cfg, spec.k, sched.step_seconds)
+                replay = replay_cost(cfg, spec.k, steps)
         finally:
             sched.close()
     copy_b1 = [r for r in rows if r["batch"] == "batch 1" and r["workload"] == "copy-heavy"

@@ -233,8 +233,19 @@ class PrefixCache:
         return True
 
     def reclaimable_pages(self) -> int:
-        """Pages only nodes hold (evicting nodes would free them)."""
-        return sum(1 for p, users in self.page_users.items() if self.alloc.refs[p] == users)
+        """Pages that evicting nodes would free: held by no running request and by no node that cannot be evicted (a
+        pinned node, or an ancestor of one)."""
+        blocked = set()
+        for n in self.nodes.values():
+            if n.pins > 0:
+                while n is not None and n.key not in blocked:
+                    blocked.add(n.key)
+                    n = n.parent
+        users: collections.Counter = collections.Counter()
+        for n in self.nodes.values():
+            if n.key not in blocked:
+                users.update(n.pages)
+        return sum(1 for p, k in users.items() if self.alloc.refs[p] == k)
 
     def make_room(self, n_pages: int) -> bool:
         """Evict LRU leaves until ``n_pages`` pages are free; evicts nothing when eviction cannot free enough (the

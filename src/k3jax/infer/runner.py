@@ -1,11 +1,12 @@
 """The engine's device side: :class:`ModelRunner` owns the parameters, the slot caches (the target's and a draft
 model's), the page pool and every jitted function, and executes a :class:`~k3jax.infer.plan.StepPlan`.
 
-* **One forward per step.** The decoding rows (``[b, 1]``, or ``[b, k+1]`` in a speculative round) and the step's
-  prefill chunk (``[1, C]``) run in one mixed forward (:meth:`K3ForCausalLM.forward_groups
-  <k3jax.nn.model.K3ForCausalLM.forward_groups>`): every weight is read once for both; the KDA recurrence and MLA
-  attention run per group. Logits are computed only for the rows that need them (each decoding row, the chunk's
-  last real token). One program per step shape — ``(rows kind, bucket, chunk)`` — all compiled by :meth:`warmup`.
+* **One forward per step.** The decoding rows (``[b, 1]``) and the step's prefill chunk (``[1, C]``) run in one
+  mixed forward (:meth:`K3ForCausalLM.forward_groups <k3jax.nn.model.K3ForCausalLM.forward_groups>`): every weight
+  is read once for both; the KDA recurrence and MLA attention run per group. Logits are computed only for the rows
+  that need them (each decoding row, the chunk's last real token). One program per step shape — ``(rows kind,
+  bucket, chunk)`` — all compiled by :meth:`warmup`. (A speculative round beside a chunk runs as the chunk's
+  forward, then the round's: a round's program is large, and one per chunk bucket would multiply the compiles.)
 * **A speculative round** is one call too: a draft model (if any) proposes k tokens per slot in a ``lax.scan`` over
   its own slot cache, the target verifies them with its KDA layers recording their inputs, the acceptance rule
   picks each row's length, and every KDA layer (target and draft) is replayed to it (:meth:`Cache.accept
@@ -279,12 +280,12 @@ class ModelRunner:
 
     def _forward(self, plan: StepPlan) -> dict:
         rows, chunk = self._inputs(plan)
-        parts = [(rows, chunk)] if self.mixed or rows is None or chunk is None else [(None, chunk), (rows, None)]
+        one = rows is None or chunk is None or (self.mixed and not plan.rows.verify)
         out = {}
-        for r, c in parts:             # mixed_steps off: two forwards, the chunk's, then the rows'
+        for r, c in [(rows, chunk)] if one else [(None, chunk), (rows, None)]:
             o, self.cache, self.dcache = self._step(self.state, self.cache, self.dstate, self.dcache, plan.table,
-                                                    plan.lengths, r, c)
-            out.update(o)
+                                                    plan.lengths, r, c)      # two forwards: mixed steps off, or a
+            out.update(o)                                                    # round beside a chunk
         return out
 
     @staticmethod

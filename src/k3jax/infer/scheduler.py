@@ -147,7 +147,7 @@ class Scheduler:
         self._publish()
         out = {"prefill": [[1, C] for k, b, C in shapes if not b],
                "decode": [[b, 1] for k, b, C in shapes if k == "decode" and not C],
-               "mixed": [[b, 1 if k == "decode" else self.spec.k + 1, C] for k, b, C in shapes if b and C]}
+               "mixed": [[b, 1, C] for k, b, C in shapes if b and C]}
         if self.spec is not None:
             out["speculative"] = [[b, self.spec.k + 1] for k, b, C in shapes if k == "verify" and not C]
         return out
@@ -157,8 +157,9 @@ class Scheduler:
         sz = self.sizes
         kinds = ["decode"] + (["verify"] if self.spec is not None else [])
         mixed = sz.mixed_chunks() if self.config.mixed_steps else ()
+        # a speculative round beside a chunk runs as two forwards (the chunk's, then the round's): no shapes of its own
         return ([(None, 0, C) for C in sz.prefill] + [(k, b, 0) for k in kinds for b in sz.decode] +
-                [(k, b, C) for k in kinds for b in sz.decode for C in mixed])
+                [("decode", b, C) for b in sz.decode for C in mixed])
 
     def start(self) -> "Scheduler":
         """Run the scheduling loop on a background thread."""

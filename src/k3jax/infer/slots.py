@@ -119,7 +119,10 @@ class SlotPool:
     def grow(self, slot: int, n_tokens: int) -> bool:
         """Pages for positions ``< n_tokens`` in ``slot`` (taking new ones as needed, never preempting); False when
         the pool has none to give (the slot keeps what it had)."""
-        need = self.pages_for(n_tokens) - len(self.pages[slot])
+        want = self.pages_for(n_tokens)
+        if want > self.max_pages:
+            raise RuntimeError(f"slot {slot}: {n_tokens} tokens need {want} pages; the table holds {self.max_pages}")
+        need = want - len(self.pages[slot])
         if need <= 0:
             return True
         got = self.take_pages(need)
