@@ -425,6 +425,37 @@ def t_speculative(r: dict) -> str:
     return out
 
 
+def t_serve_mixed(r: dict) -> str:
+    p = r.get("params") or {}
+    before = r.get("before") or {}
+    commit = (before.get("checkout") or {}).get("commit")
+    arr = list(r.get("arrivals", [])) + [dict(x, mode=f"before ({commit}): {x['mode']}")
+                                         for x in before.get("arrivals", [])]
+    rows = [[x.get("mode"), ms(x["tpot_s"]["p50"]), ms(x["tpot_s"]["p99"]), ms(x["token_gap_s"]["p50"]),
+             ms(x["token_gap_s"]["p99"]), num(x.get("tokens_per_s"), ".2f"), num(x["long_ttft_s"]["p50"], ".2f"),
+             num(x.get("long_prompts"))] for x in arr]
+    out = table(["mode", "TPOT p50 ms", "TPOT p99 ms", "token gap p50 ms", "token gap p99 ms", "output tokens/s",
+                 "long-prompt TTFT p50 s", "long prompts"], rows)
+    mv = r.get("mixed_vs_separate") or {}
+    out += (f"\n\n{p.get('clients')} streaming clients × {p.get('requests')} requests ({p.get('prompt')}-token "
+            f"prompts, {p.get('max_tokens')} greedy tokens) while {p.get('long_tokens')}-token prompts arrive back to "
+            f"back; {p.get('rounds')} interleaved rounds on one server ({p.get('max_slots')} slots, chunk "
+            f"{p.get('chunk')}). Mixed / separate: TPOT p50 {num(mv.get('tpot_p50'), '.3f')}, p99 "
+            f"{num(mv.get('tpot_p99'), '.3f')}, tokens/s {num(mv.get('tokens_per_s'), '.3f')}; greedy tokens identical "
+            f"across modes: {r.get('greedy_identical_across_modes')}.")
+    steps = list(r.get("step_time", [])) + [dict(x, mode=f"before ({commit}): {x['mode']}")
+                                            for x in before.get("step_time", [])]
+    if steps:
+        out += "\n\n" + table(["steady decode step", "rows decoding", "p50 ms", "p99 ms"],
+                              [[x["mode"], x.get("decoding"), ms(x["step_s"]["p50"]), ms(x["step_s"]["p99"])]
+                               for x in steps])
+    if r.get("vs_before"):
+        out += "\n\nAgainst the older checkout: " + ", ".join(f"{k} {v:.3f}" for k, v in r["vs_before"].items()) + "."
+    if r.get("plot") and (HERE / Path(r["plot"]).name).exists():
+        out += f"\n\n![serve with arrivals: mixed vs separate]({Path(r['plot']).name})"
+    return out
+
+
 def t_context_parallel(r: dict) -> str:
     rows = [[num(x.get("seq_len"), ","), x.get("context"), gib(x.get("peak_bytes")), gib(x.get("argument_bytes")),
              gib(x.get("temp_bytes")), num(x.get("compile_seconds"), ",.0f"),
@@ -526,7 +557,8 @@ def t_generic(r: dict) -> str:
 FORMATTERS: dict[str, Callable[[dict], str]] = {
     "roofline": t_roofline, "kda": t_kda, "model": t_model, "train_throughput": t_train,
     "inference.decode": t_decode, "inference.cache": t_cache, "inference.vs-transformers": t_vs_transformers,
-    "inference.prefill": t_prefill, "serve": t_serve, "prefix_cache": t_prefix_cache, "speculative": t_speculative,
+    "inference.prefill": t_prefill, "serve": t_serve, "serve_mixed": t_serve_mixed, "prefix_cache": t_prefix_cache,
+    "speculative": t_speculative,
     "context_parallel": t_context_parallel, "moonep": t_moonep, "balance": t_balance, "load_rss": t_load_rss,
     "step_profile": t_step_profile, "vision": t_vision}
 META = {"command", "module_command", "wall_seconds", "recorded", "quick", "roofline", "benchmark"}

@@ -80,8 +80,10 @@ BENCHMARKS: dict[str, Bench] = {
                    ("--quick",)),
     "serve_mixed": Bench("serve_mixed", "HTTP server (100m): TPOT p50/p99 and tokens/s of 16 decode streams while "
                          "1024-token prompts keep arriving, mixed steps vs two forwards per step; steady decode step "
-                         "time with fresh host buffers vs blocking copies", "serve_mixed",
-                         ("--plot", "benchmarks/serve_mixed.png"), ("--quick",)),
+                         "time with fresh host buffers vs blocking copies; beside the stored run of the checkout "
+                         "before mixed steps", "serve_mixed",
+                         ("--plot", "benchmarks/serve_mixed.png", "--before", "benchmarks/serve_mixed_before.json"),
+                         ("--quick",)),
     "prefix_cache": Bench("prefix_cache", "KDA-aware prefix cache (100m): multi-turn chat hit rate and prefill time, "
                           "TTFT of an 8k shared prefix hit vs miss, checkpoint bytes vs `inspect`", "prefix_cache",
                           ("--plot", "benchmarks/prefix_cache.png"), ("--quick",)),

@@ -151,30 +151,36 @@ def parse_metrics(text: str) -> dict:
     return out
 
 
+async def stream_tokens(client, url: str, prompt: list[int], max_tokens: int) -> tuple[float, list[float], list[int]]:
+    """One greedy streamed completion: ``(send time, arrival time of each token, token ids)`` (one character per
+    token: :class:`IdTokenizer`)."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True}
+    times, ids = [], []
+    t_send = time.perf_counter()
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:300]}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[6:]
+            if data == "[DONE]":
+                break
+            obj = json.loads(data)
+            if "error" in obj:
+                raise RuntimeError(f"server error: {obj['error']}")
+            text = obj["choices"][0]["text"] if obj.get("choices") else ""
+            if text:
+                now = time.perf_counter()
+                for c in text:
+                    times.append(now)
+                    ids.append(ord(c) - BASE)
+    return t_send, times, ids
+
+
 async def one(client, url: str, r: dict, sem: asyncio.Semaphore) -> tuple[dict, list[int]]:
-    body = {"prompt": r["prompt"], "max_tokens": r["max_tokens"], "temperature": 0, "stream": True,
-            "ignore_eos": True}
     async with sem:
-        times, ids = [], []
-        t_send = time.perf_counter()
-        async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
-            if resp.status_code != 200:
-                raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:300]}")
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[6:]
-                if data == "[DONE]":
-                    break
-                obj = json.loads(data)
-                if "error" in obj:
-                    raise RuntimeError(f"server error: {obj['error']}")
-                text = obj["choices"][0]["text"] if obj.get("choices") else ""
-                if text:
-                    now = time.perf_counter()
-                    for c in text:                      # one character per token (IdTokenizer)
-                        times.append(now)
-                        ids.append(ord(c) - BASE)
+        t_send, times, ids = await stream_tokens(client, url, r["prompt"], r["max_tokens"])
         return per_request(t_send, times, r["max_tokens"]), ids
 
 

@@ -2,7 +2,8 @@
 (the decoding rows and the step's prefill chunk in one forward) against two forwards per step; and the steady
 decode step's time with fresh host buffers against blocking host-to-device copies.
 
-    .venv/bin/python -m benchmarks.serve_mixed [--quick] [--modes mixed separate] [--json out.json] [--plot out.png]
+    .venv/bin/python -m benchmarks.serve_mixed [--quick] [--modes mixed separate] [--before old.json]
+                                               [--json out.json] [--plot out.png]
 
 (a) **Arrivals** (per mode, one server each, in-process on 127.0.0.1, the ``100m`` preset with random weights
     ``nnx.Rngs(0)``): ``clients`` streaming clients each send ``requests`` requests one after another (a
@@ -13,14 +14,19 @@ decode step's time with fresh host buffers against blocking host-to-device copie
     tokens/s of the decode clients (their tokens / the wall time from the first send to the last token), the long
     prompts' TTFT, and the server's step counters. ``mixed``: ``EngineConfig(mixed_steps=True)`` (the default);
     ``separate``: two forwards, a prefill chunk's and the decode rows' (each reading every weight), as before
-    mixed steps existed. Run from an older checkout (``PYTHONPATH=…/src``), ``separate`` drives that checkout's
-    own server (its build API detected) — the "before" figure.
+    mixed steps existed. Both modes run on one server (built with mixed steps; the runner's ``mixed`` switch is
+    flipped between runs, on the scheduler thread), in ``rounds`` interleaved rounds, so that a slow spell of the
+    machine falls on both; TPOTs and gaps are pooled over the rounds, tokens/s is the median round. Run from an
+    older checkout (``PYTHONPATH=…/src``), ``separate`` drives that checkout's own server (its build API
+    detected) — the "before" figure.
 (b) **Step time**: one scheduler in-process, ``clients`` requests decoding (no prefill), the median wall time of
-    ``steps`` steady steps: ``fresh`` (host inputs handed to the runner as fresh numpy arrays) against
-    ``blocking`` (every host input first copied to the device and waited for, as the engine did before: the
-    blocking ``_dev`` copy). From an older checkout: that checkout's own steps (``old``).
+    ``steps`` steady steps per mode and round, interleaved: ``fresh`` (host inputs handed to the runner as fresh
+    numpy arrays) against ``blocking`` (every host input first copied to the device and waited for, as the engine
+    did before: the blocking ``_dev`` copy). From an older checkout: that checkout's own steps (``old``).
 
 The greedy tokens of every decode request are checked against each other across modes (they must be equal).
+``--before FILE``: the JSON of a run from an older checkout (``--modes separate --step-modes old``), stored in the
+record beside this run's figures, with the ratios against it.
 """
 
 from __future__ import annotations
@@ -31,7 +37,6 @@ import inspect
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import time
@@ -42,10 +47,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-FULL = {"clients": 16, "requests": 3, "prompt": 32, "max_tokens": 48, "long_tokens": 1024, "long_max_tokens": 4,
-        "max_slots": 20, "max_model_len": 1152, "chunk": 256, "steps": 30}
+from benchmarks.serve import stream_tokens
+
+FULL = {"clients": 16, "requests": 2, "prompt": 32, "max_tokens": 48, "long_tokens": 1024, "long_max_tokens": 4,
+        "max_slots": 20, "max_model_len": 1152, "chunk": 256, "steps": 20, "rounds": 3}
 QUICK = {"clients": 4, "requests": 1, "prompt": 16, "max_tokens": 12, "long_tokens": 192, "long_max_tokens": 2,
-         "max_slots": 6, "max_model_len": 256, "chunk": 64, "steps": 8}
+         "max_slots": 6, "max_model_len": 256, "chunk": 64, "steps": 6, "rounds": 1}
 
 
 def checkout() -> dict:
@@ -92,29 +99,6 @@ def start_server(model, tokenizer, p: dict, mixed: bool):
     return srv.start_background()
 
 
-async def stream(client, url: str, prompt: list[int], max_tokens: int) -> tuple[float, list[float], list[int]]:
-    from benchmarks.serve import BASE
-
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True}
-    times, ids = [], []
-    t0 = time.perf_counter()
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
-        if resp.status_code != 200:
-            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:300]}")
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            obj = json.loads(line[6:])
-            if "error" in obj:
-                raise RuntimeError(f"server error: {obj['error']}")
-            text = obj["choices"][0]["text"] if obj.get("choices") else ""
-            now = time.perf_counter()
-            for c in text:                              # one character per token (IdTokenizer)
-                times.append(now)
-                ids.append(ord(c) - BASE)
-    return t0, times, ids
-
-
 async def arrivals(url: str, p: dict, seed: int) -> dict:
     import httpx
 
@@ -127,13 +111,13 @@ async def arrivals(url: str, p: dict, seed: int) -> dict:
 
     async def decoder(client, i):
         for r in range(p["requests"]):
-            t0, times, ids = await stream(client, url, prompts[i][r], p["max_tokens"])
+            t0, times, ids = await stream_tokens(client, url, prompts[i][r], p["max_tokens"])
             decode.append((i, r, t0, times, ids))
 
     async def arriving(client):
         k = 0
         while not done.is_set():
-            t0, times, _ = await stream(client, url, longs[k % len(longs)], p["long_max_tokens"])
+            t0, times, _ = await stream_tokens(client, url, longs[k % len(longs)], p["long_max_tokens"])
             long_ttft.append(times[0] - t0 if times else None)
             k += 1
 
@@ -152,10 +136,29 @@ async def arrivals(url: str, p: dict, seed: int) -> dict:
     n = sum(len(t) for *_, t, _ in decode)
     counters = {k: counter(after, k) - counter(before, k) for k in ("steps", "decode_steps", "prefill_chunks",
                                                                      "mixed_steps", "decode_rows")}
-    return {"wall_s": wall, "output_tokens": n, "tokens_per_s": n / wall, "tpot_s": pcts(tpot),
-            "token_gap_s": pcts(gaps), "long_prompts": len(long_ttft), "long_ttft_s": pcts(long_ttft),
-            "all_complete": all(len(ids) == p["max_tokens"] for *_, ids in decode), "server": counters,
-            "tokens": {f"{i}/{r}": ids for i, r, _, _, ids in decode}}
+    return {"wall_s": wall, "output_tokens": n, "tokens_per_s": n / wall, "tpot": tpot, "gaps": gaps,
+            "long_ttft": long_ttft, "all_complete": all(len(ids) == p["max_tokens"] for *_, ids in decode),
+            "server": counters, "tokens": {f"{i}/{r}": ids for i, r, _, _, ids in decode}}
+
+
+def pooled(runs: list[dict]) -> dict:
+    """One mode's rounds: TPOTs, gaps and TTFTs pooled, tokens/s per round and its median."""
+    tps = [r["tokens_per_s"] for r in runs]
+    return {"rounds": len(runs), "tokens_per_s": float(np.median(tps)), "tokens_per_s_rounds": tps,
+            "tpot_s": pcts([x for r in runs for x in r["tpot"]]), "token_gap_s": pcts([x for r in runs for x in r["gaps"]]),
+            "long_prompts": sum(len(r["long_ttft"]) for r in runs),
+            "long_ttft_s": pcts([x for r in runs for x in r["long_ttft"]]),
+            "all_complete": all(r["all_complete"] for r in runs),
+            "server": {k: sum(r["server"][k] for r in runs) for k in runs[0]["server"]}}
+
+
+def set_mixed(srv, on: bool) -> bool:
+    """Flip the runner's mixed-steps switch on the scheduler thread; False on a checkout without one."""
+    sched = srv.scheduler
+    if not hasattr(sched, "runner"):
+        return False
+    sched.call(lambda: setattr(sched.runner, "mixed", on))
+    return True
 
 
 def counter(text: str, name: str) -> float:
@@ -166,8 +169,9 @@ def counter(text: str, name: str) -> float:
 
 
 # ------------------------------------------------------------------------------------------- step time
-def step_time(model, p: dict, mode: str) -> dict:
-    """Median wall time of steady decode steps with ``clients`` requests decoding (scheduler driven in-process)."""
+def step_time(model, p: dict, modes: list[str]) -> list[dict]:
+    """Median wall time of steady decode steps with ``clients`` requests decoding (the scheduler driven in-process),
+    per mode, the modes interleaved over ``rounds`` rounds of ``steps`` steps."""
     from k3jax.infer.scheduler import SamplingParams, Scheduler
 
     big = dict(max_slots=p["clients"], max_model_len=p["max_model_len"], chunk=p["chunk"], prefix_cache=False)
@@ -177,15 +181,13 @@ def step_time(model, p: dict, mode: str) -> dict:
 
         sched = Scheduler(model, EngineConfig(**big))
     else:
-        if mode != "old":
+        if modes != ["old"]:
             raise SystemExit("this checkout's scheduler is the old one: run --step-modes old")
         sched = Scheduler(model, **big)
     sched.warmup()
-    if mode == "blocking":
-        block_inputs(sched.runner)
     rng = np.random.default_rng(0)
-    n_steps = p["steps"]
-    params = SamplingParams(max_tokens=n_steps + 8, ignore_eos=True)
+    total = p["rounds"] * len(modes) * p["steps"]
+    params = SamplingParams(max_tokens=total + 8, ignore_eos=True)
     reqs = [sched.submit(rng.integers(0, 256, p["prompt"]).tolist(), params) for _ in range(p["clients"])]
 
     def one_step():
@@ -198,25 +200,29 @@ def step_time(model, p: dict, mode: str) -> dict:
 
     while any(len(r.tokens) == 0 for r in reqs):         # every prompt prefilled: steady decode from here
         one_step()
-    times = []
-    for _ in range(n_steps):
-        t = time.perf_counter()
-        one_step()
-        times.append(time.perf_counter() - t)
-    return {"mode": mode, "decoding": p["clients"], "steps": n_steps, "step_s": pcts(times)}
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    plain = sched.runner._step if new else None
+    for _ in range(p["rounds"]):
+        for mode in modes:
+            if new:
+                sched.runner._step = blocking(plain) if mode == "blocking" else plain
+            for _ in range(p["steps"]):
+                t = time.perf_counter()
+                one_step()
+                times[mode].append(time.perf_counter() - t)
+    return [{"mode": m, "decoding": p["clients"], "steps": len(times[m]), "step_s": pcts(times[m])} for m in modes]
 
 
-def block_inputs(runner) -> None:
-    """Every numpy input of a step copied to the device and waited for first (what the engine's ``_dev`` did)."""
-    inner = runner._step
-
+def blocking(inner):
+    """``inner`` (the runner's jitted step) with every numpy input first copied to the device and waited for (what
+    the engine's ``_dev`` did)."""
     def dev(x):
         return jax.block_until_ready(jnp.array(x, copy=True)) if isinstance(x, np.ndarray) else x
 
     def run(*args):
         return inner(*[jax.tree.map(dev, a) if a is not None else None for a in args])
 
-    runner._step = run
+    return run
 
 
 # ------------------------------------------------------------------------------------------------- main
@@ -226,7 +232,10 @@ def plot(res: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = res["arrivals"]
+    rows = list(res["arrivals"])
+    old = next((r for r in (res.get("before") or {}).get("arrivals", []) if r["mode"] == "separate"), None)
+    if old is not None:
+        rows.append({**old, "mode": f"before ({(res['before'].get('checkout') or {}).get('commit')})"})
     names = [r["mode"] for r in rows]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.6))
     x = np.arange(len(rows))
@@ -249,6 +258,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--modes", nargs="*", default=["mixed", "separate"], choices=["mixed", "separate"])
     ap.add_argument("--step-modes", nargs="*", default=["fresh", "blocking"], choices=["fresh", "blocking", "old"])
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--before", default=None, help="JSON of a run from an older checkout, kept beside this one")
     ap.add_argument("--plot", default=None)
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
@@ -262,28 +272,45 @@ def main(argv: list[str] | None = None) -> dict:
     res = {"benchmark": "serve_mixed", "preset": a.preset, "params": p, "checkout": checkout(),
            "backend": jax.default_backend(), "cpus": os.cpu_count(), "python": platform.python_version(),
            "jax": jax.__version__, "arrivals": [], "step_time": []}
-    tokens = {}
-    for mode in a.modes:
-        srv = start_server(model, IdTokenizer(cfg), p, mode == "mixed")
+    tokens, runs = {}, {m: [] for m in a.modes}
+    if a.modes:
+        srv = start_server(model, IdTokenizer(cfg), p, "mixed" in a.modes)
         try:
             asyncio.run(stream_once(srv.url))
-            r = asyncio.run(arrivals(srv.url, p, a.seed))
+            for rnd in range(p["rounds"]):
+                for mode in a.modes:
+                    if not set_mixed(srv, mode == "mixed") and len(a.modes) > 1:
+                        raise SystemExit("this checkout cannot switch modes: run one mode")
+                    r = asyncio.run(arrivals(srv.url, p, a.seed + rnd))
+                    tokens.setdefault(mode, []).append(r.pop("tokens"))
+                    runs[mode].append(r)
+                    print(f"round {rnd} {mode:>9}: TPOT p50 {1e3 * np.median(r['tpot']):.1f} ms, "
+                          f"{r['tokens_per_s']:.2f} tokens/s", flush=True)
         finally:
             srv.stop()
-        tokens[mode] = r.pop("tokens")
+    for mode in a.modes:
+        r = pooled(runs[mode])
         res["arrivals"].append({"mode": mode, **r})
         print(f"{mode:>9}: TPOT p50/p99 {1e3 * r['tpot_s']['p50']:.1f}/{1e3 * r['tpot_s']['p99']:.1f} ms, token gap "
               f"p50/p99 {1e3 * r['token_gap_s']['p50']:.1f}/{1e3 * r['token_gap_s']['p99']:.1f} ms, "
-              f"{r['tokens_per_s']:.2f} tokens/s; {r['long_prompts']} long prompts (TTFT p50 "
-              f"{r['long_ttft_s']['p50'] or 0:.2f} s); steps {r['server']}", flush=True)
+              f"{r['tokens_per_s']:.2f} tokens/s (median of {r['rounds']} rounds); {r['long_prompts']} long prompts "
+              f"(TTFT p50 {r['long_ttft_s']['p50'] or 0:.2f} s); steps {r['server']}", flush=True)
     if len(tokens) > 1:
         first = next(iter(tokens.values()))
         res["greedy_identical_across_modes"] = all(t == first for t in tokens.values())
-    for mode in a.step_modes:
-        r = step_time(model, p, mode)
-        res["step_time"].append(r)
-        print(f"step time {mode:>9}: p50 {1e3 * r['step_s']['p50']:.1f} ms (p99 {1e3 * r['step_s']['p99']:.1f}) with "
-              f"{r['decoding']} rows decoding", flush=True)
+    if "mixed" in a.modes and "separate" in a.modes:
+        m, s_ = (next(r for r in res["arrivals"] if r["mode"] == k) for k in ("mixed", "separate"))
+        res["mixed_vs_separate"] = {"tpot_p50": m["tpot_s"]["p50"] / s_["tpot_s"]["p50"],
+                                    "tpot_p99": m["tpot_s"]["p99"] / s_["tpot_s"]["p99"],
+                                    "tokens_per_s": m["tokens_per_s"] / s_["tokens_per_s"]}
+    if a.step_modes:
+        for r in step_time(model, p, a.step_modes):
+            res["step_time"].append(r)
+            print(f"step time {r['mode']:>9}: p50 {1e3 * r['step_s']['p50']:.1f} ms (p99 "
+                  f"{1e3 * r['step_s']['p99']:.1f}) with {r['decoding']} rows decoding", flush=True)
+    if a.before:
+        res["before"] = before = json.loads(Path(a.before).read_text())
+        res["vs_before"] = vs_before(res, before)
     if a.plot and res["arrivals"]:
         plot(res, a.plot)
         res["plot"] = a.plot
@@ -292,11 +319,27 @@ def main(argv: list[str] | None = None) -> dict:
     return res
 
 
+def vs_before(res: dict, before: dict) -> dict:
+    """This run's figures over the older checkout's (ratios < 1: lower now)."""
+    out = {}
+    old = next((r for r in before.get("arrivals", []) if r["mode"] == "separate"), None)
+    for r in res["arrivals"]:
+        if old is not None:
+            out[f"{r['mode']}_tpot_p50"] = r["tpot_s"]["p50"] / old["tpot_s"]["p50"]
+            out[f"{r['mode']}_tpot_p99"] = r["tpot_s"]["p99"] / old["tpot_s"]["p99"]
+            out[f"{r['mode']}_tokens_per_s"] = r["tokens_per_s"] / old["tokens_per_s"]
+    old_step = next((r for r in before.get("step_time", []) if r["mode"] == "old"), None)
+    for r in res["step_time"]:
+        if old_step is not None:
+            out[f"step_{r['mode']}_p50"] = r["step_s"]["p50"] / old_step["step_s"]["p50"]
+    return out
+
+
 async def stream_once(url: str) -> None:
     import httpx
 
     async with httpx.AsyncClient(timeout=None) as client:                    # the first HTTP request, untimed
-        await stream(client, url, [1, 2, 3, 4], 2)
+        await stream_tokens(client, url, [1, 2, 3, 4], 2)
 
 
 if __name__ == "__main__":

@@ -190,6 +190,7 @@ _LONGEST_FIRST = [
     "test_checkpoints",                                                    # 65 s
     "test_transformers_kimi_linear",                                       # 60 s
     "test_prefix_cache",                                                   # 65 s: one scheduler, verify on
+    "tests/test_serve_concurrency.py::test_scrapes_during_preemption_hits_speculation_and_disconnects",   # 26 s
     "test_vision",                                                         # 50 s: a multimodal checkpoint
     "test_model",                                                          # 35 s
     "test_cache",                                                          # 30 s

@@ -62,7 +62,7 @@ def served(tmp_path_factory):
     model = K3ForCausalLM(cfg, rngs=nnx.Rngs(7))
     encoder = tiny_encoder(cfg.hidden_size)
     engine = EngineConfig(max_slots=SLOTS, max_model_len=MAX_LEN, chunk=64, page_size=PAGE, max_queue=64,
-                          kv_cache_memory=PAGES * PAGE * page_bytes(cfg))
+                          kv_cache_memory=PAGES * PAGE * page_bytes(cfg), vision_buckets=(64,))
     srv = build_server(model, engine, ServerOptions(port=0, served_model_name="k3-test"), tokenizer=tok,
                        encoder=encoder, pad_id=CHAT_IDS["<|media_pad|>"], say=lambda s: None)
     finished = []
@@ -543,6 +543,7 @@ def test_chat_with_a_data_url_image_matches_offline(served, seeing):
     r2 = seeing.client.chat.completions.create(model="k3-test", messages=[local], max_tokens=6, temperature=0,
                                                reasoning_effort="none", extra_body={"return_token_ids": True})
     assert r2.choices[0].token_ids == want
+    assert seeing.encoder.compiles == {64: 1}            # the one patch bucket, compiled at warm-up and not again
 
 
 @pytest.mark.parametrize("url,fragment", [

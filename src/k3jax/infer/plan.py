@@ -38,6 +38,24 @@ class Sampling:
         return (self.seeds, self.counters, self.temperature, self.top_k, self.top_p)
 
 
+def sampling_for(vocab_size: int, reqs) -> Sampling:
+    """The settings of ``reqs`` (:class:`~k3jax.infer.requests.Request`; None: an idle row, greedy), with each row's
+    banned tokens (``req.ban``)."""
+    from k3jax.infer.processors import ban_mask
+
+    n = len(reqs)
+    seeds, ctr = np.zeros(n, np.uint32), np.zeros(n, np.int32)
+    temp, tk, tp = np.zeros(n, np.float32), np.zeros(n, np.int32), np.ones(n, np.float32)
+    for i, r in enumerate(reqs):
+        if r is not None:
+            p = r.params
+            seeds[i], ctr[i], temp[i] = r.seed, len(r.tokens), p.temperature
+            tk[i] = p.top_k or 0
+            tp[i] = 1.0 if p.top_p is None else p.top_p
+    bans = ban_mask([r.ban.banned() if r is not None and r.ban is not None else None for r in reqs], vocab_size)
+    return Sampling(seeds, ctr, temp, tk, tp, bans)
+
+
 @dataclass(frozen=True)
 class Rows:
     """The decoding rows of a step: ``slots [b]`` (a decode bucket; rows with ``active`` False are idle slots filling
@@ -130,4 +148,4 @@ class StepOutput:
     seconds: float = 0.0
 
 
-__all__ = ["Sampling", "Rows", "Chunk", "StepPlan", "StepOutput"]
+__all__ = ["sampling_for", "Sampling", "Rows", "Chunk", "StepPlan", "StepOutput"]

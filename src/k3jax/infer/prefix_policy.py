@@ -76,7 +76,7 @@ class PrefixPolicy:
         a boundary. ``pending``: tokens the slot holds that ``req.tokens`` does not list yet; ``provisional``: the
         checkpoint marks the end of the sequence so far (only the latest such is kept, off the stride). Returns the
         page copies ``(src, dst)`` the next step must make before the slot writes again (copy-on-write)."""
-        B, page, have = self.block, self.pool.page_size, req.computed
+        B, have = self.block, req.computed
         nb = have // B
         if nb == 0:
             return []

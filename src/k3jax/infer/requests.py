@@ -9,6 +9,8 @@ its own sub-object: :class:`PrefixState`, :class:`SpecState`). Host only: nothin
 from __future__ import annotations
 
 import queue
+import secrets
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
@@ -223,5 +225,58 @@ class Request:
         return list(self.tokens)
 
 
-__all__ = ["RequestError", "QueueFull", "SamplingParams", "check_prompt", "TokenEvent", "Request", "PrefixState",
+def new_request(prompt, params: SamplingParams, sizes, *, hidden: int, request_id: str, callback=None,
+                use_prefix_cache: bool = True, content_keys=(), use_speculative: bool = True, prediction=(),
+                embeds=None, images=None, record_logits: bool = False) -> Request:
+    """A checked :class:`Request` for an engine of ``sizes`` (:class:`~k3jax.infer.config.EngineSizes`) whose model
+    has width ``hidden`` — every rule a request must pass before it is queued, errors naming the field (see
+    :meth:`~k3jax.infer.scheduler.Scheduler.submit` for the arguments)."""
+    if not isinstance(params, SamplingParams):
+        raise RequestError("params: expected SamplingParams", "params")
+    V = sizes.vocab_size
+    if embeds is not None:                      # a MultimodalPrompt: its expanded ids are the prompt
+        prompt = embeds.ids
+        if embeds.rows.shape[1:] != (hidden,):
+            raise RequestError(f"embeds: rows of width {embeds.rows.shape[1:]}, expected ({hidden},)", "embeds")
+        content_keys = content_keys or embeds.content_keys
+    ids = check_prompt(prompt if prompt is not None else [], vocab_size=V, max_len=sizes.max_model_len,
+                       max_tokens=params.max_tokens)
+    need = -(-(len(ids) + params.max_tokens) // sizes.page_size)
+    if need > sizes.num_pages:
+        raise RequestError(f"max_tokens: prompt + max_tokens need {need} pages of {sizes.page_size} tokens; the "
+                           f"page pool has {sizes.num_pages} (raise --kv-cache-memory)", "max_tokens")
+    for t in params.stop_token_ids:
+        if t >= V:
+            raise RequestError(f"stop_token_ids: {t} is outside [0, {V})", "stop_token_ids")
+    pred = [int(t) for t in prediction]
+    if pred and (min(pred) < 0 or max(pred) >= V):
+        raise RequestError(f"prediction: token ids must lie in [0, {V}) (vocab_size); got min {min(pred)}, max "
+                           f"{max(pred)}", "prediction")
+    stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else sizes.eos_ids)
+    req = Request(id=request_id, prompt=ids, params=params, stops=stops,
+                  seed=params.seed if params.seed is not None else secrets.randbits(32), callback=callback,
+                  sequence=list(ids), arrival=time.perf_counter(), media=embeds,
+                  images=list(images) if images else None, logits=[] if record_logits else None,
+                  _q=queue.Queue() if callback is None else None)
+    req.prefix.use, req.prefix.content_keys = bool(use_prefix_cache), _content_keys(content_keys, len(ids))
+    req.spec.use, req.spec.prediction = bool(use_speculative), pred
+    if params.no_repeat_ngram:
+        from k3jax.infer.processors import NoRepeatNgram
+
+        req.ban = NoRepeatNgram(params.no_repeat_ngram, ids)
+    return req
+
+
+def _content_keys(content_keys, n: int) -> tuple:
+    keys = []
+    for k in content_keys:
+        if not (isinstance(k, tuple) and len(k) == 2 and isinstance(k[0], int) and 0 <= k[0] < n
+                and isinstance(k[1], (bytes, bytearray))):
+            raise RequestError(f"content_keys: expected (position in [0, {n}), digest bytes) pairs, got {k!r}",
+                               "content_keys")
+        keys.append((int(k[0]), bytes(k[1])))
+    return tuple(sorted(keys))
+
+
+__all__ = ["new_request", "RequestError", "QueueFull", "SamplingParams", "check_prompt", "TokenEvent", "Request", "PrefixState",
            "SpecState", "WAITING", "PREFILL", "DECODE", "DONE"]

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from k3jax.infer.requests import RequestError as SamplingError
 
 
+
 def filtered_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     """``logits [B, V]`` → ``logits / T`` with every token outside the ``top_k`` largest (0 = all) and outside the
     smallest set whose probability reaches ``top_p`` (1 = all) set to −inf: the distribution a temperature > 0
@@ -79,3 +80,6 @@ def sample_rows(logits: jax.Array, seeds: jax.Array, counters: jax.Array, temper
     # an all-greedy batch skips the vocabulary sort top-k / top-p need
     return jax.lax.cond(jnp.any(temperature > 0), lambda: jax.vmap(one)(logits, seeds, counters, temperature,
                                                                           top_k, top_p), greedy)
+
+
+__all__ = ["SamplingError", "filtered_logits", "sample_next", "sampling_probs", "sample_rows", "unpack_bans"]

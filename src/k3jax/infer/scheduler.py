@@ -30,7 +30,6 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
-import secrets
 import threading
 import time
 import types
@@ -40,13 +39,12 @@ import numpy as np
 
 from k3jax.infer.config import EngineConfig, EngineSizes
 from k3jax.infer.inbox import Hooks, Inbox
-from k3jax.infer.plan import Chunk, Rows, Sampling, StepOutput, StepPlan
+from k3jax.infer.plan import Chunk, Rows, StepOutput, StepPlan, sampling_for
 from k3jax.infer.prefix_cache import PrefixCache
 from k3jax.infer.prefix_policy import PrefixPolicy
-from k3jax.infer.processors import NoRepeatNgram, ban_mask
 from k3jax.infer.proposers import DraftModel, Proposer, make_proposer
 from k3jax.infer.requests import (DECODE, DONE, PREFILL, WAITING, QueueFull, Request, RequestError, SamplingParams,
-                                  TokenEvent, check_prompt)
+                                  TokenEvent, new_request)
 from k3jax.infer.slots import SlotPool
 from k3jax.infer.spec_policy import Speculation
 
@@ -181,10 +179,28 @@ class Scheduler:
         which prompt lookup drafts from too; ``embeds``: a :class:`~k3jax.vision.model.MultimodalPrompt` (image
         rows computed; its ids are the prompt); ``images``: processed images the engine encodes (the prompt
         holds one ``<|media_pad|>`` per image)."""
-        req = self._make_request(prompt, params or SamplingParams(), callback, request_id, use_prefix_cache,
-                                 content_keys, use_speculative, prediction, embeds, images)
+        if images:
+            prompt, content_keys = self._image_prompt(prompt, images)
+        req = new_request(prompt, params or SamplingParams(), self.sizes, hidden=self.cfg.hidden_size,
+                          request_id=request_id or f"req-{next(self._ids)}", callback=callback,
+                          use_prefix_cache=use_prefix_cache, content_keys=content_keys,
+                          use_speculative=use_speculative, prediction=prediction, embeds=embeds, images=images,
+                          record_logits=self.config.record_logits)
         self.inbox.submit(req)
         return req
+
+    def _image_prompt(self, prompt, images) -> tuple[list[int], tuple]:
+        """The prompt with each image's pad expanded to its token count, and the images' content keys (host only:
+        the rows are computed at admission)."""
+        from k3jax.vision.model import PromptError, expand_pads
+
+        if getattr(self.runner, "encoder", None) is None:
+            raise RequestError("images: this engine has no vision encoder", "images")
+        try:
+            ids, firsts = expand_pads(prompt, [im.tokens for im in images], self.runner.encoder_pad_id)
+        except PromptError as e:
+            raise RequestError(f"messages: {e}", "messages") from None
+        return ids, tuple((p, im.digest) for p, im in zip(firsts, images))
 
     def cancel(self, req: Request | str, reason: str = "abort") -> None:
         """Stop a request at the next step (from any thread); its slot and pages are freed, its last event has
@@ -238,62 +254,6 @@ class Scheduler:
         if self.prefix is not None:
             out.update(prefix_checkpoint_bytes=self.runner.checkpoint_bytes(), prefix_budget_bytes=self.prefix.index.budget)
         return out
-
-    # ------------------------------------------------------------------------------------------- requests
-    def _make_request(self, prompt, params, callback, request_id, use_prefix_cache, content_keys, use_speculative,
-                      prediction, embeds, images) -> Request:
-        if not isinstance(params, SamplingParams):
-            raise RequestError("params: expected SamplingParams", "params")
-        sz, V = self.sizes, self.cfg.vocab_size
-        if embeds is not None:                      # a MultimodalPrompt: its expanded ids are the prompt
-            prompt = embeds.ids
-            if embeds.rows.shape[1:] != (self.cfg.hidden_size,):
-                raise RequestError(f"embeds: rows of width {embeds.rows.shape[1:]}, expected "
-                                   f"({self.cfg.hidden_size},)", "embeds")
-            content_keys = content_keys or embeds.content_keys
-        if images:
-            prompt, content_keys = self._image_prompt(prompt, images)
-        ids = check_prompt(prompt if prompt is not None else [], vocab_size=V, max_len=sz.max_model_len,
-                           max_tokens=params.max_tokens)
-        need = self.pool.pages_for(len(ids) + params.max_tokens)
-        if need > sz.num_pages:
-            raise RequestError(f"max_tokens: prompt + max_tokens need {need} pages of {sz.page_size} tokens; the "
-                               f"page pool has {sz.num_pages} (raise --kv-cache-memory)", "max_tokens")
-        for t in params.stop_token_ids:
-            if t >= V:
-                raise RequestError(f"stop_token_ids: {t} is outside [0, {V})", "stop_token_ids")
-        keys = _content_keys(content_keys, len(ids))
-        pred = [int(t) for t in prediction]
-        if pred and (min(pred) < 0 or max(pred) >= V):
-            raise RequestError(f"prediction: token ids must lie in [0, {V}) (vocab_size); got min {min(pred)}, max "
-                               f"{max(pred)}", "prediction")
-        stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else sz.eos_ids)
-        req = Request(id=request_id or f"req-{next(self._ids)}", prompt=ids, params=params, stops=stops,
-                      seed=params.seed if params.seed is not None else secrets.randbits(32), callback=callback,
-                      sequence=list(ids), arrival=time.perf_counter(), media=embeds,
-                      images=list(images) if images else None, logits=[] if self.config.record_logits else None)
-        req.prefix.use, req.prefix.content_keys = bool(use_prefix_cache), keys
-        req.spec.use, req.spec.prediction = bool(use_speculative), pred
-        if params.no_repeat_ngram:
-            req.ban = NoRepeatNgram(params.no_repeat_ngram, ids)
-        if callback is None:
-            import queue
-
-            req._q = queue.Queue()
-        return req
-
-    def _image_prompt(self, prompt, images) -> tuple[list[int], tuple]:
-        """The prompt with each image's pad expanded to its token count, and the images' content keys (host only:
-        the rows are computed at admission)."""
-        from k3jax.vision.model import PromptError, expand_pads
-
-        if getattr(self.runner, "encoder", None) is None:
-            raise RequestError("images: this engine has no vision encoder", "images")
-        try:
-            ids, firsts = expand_pads(prompt, [im.tokens for im in images], self.runner.encoder_pad_id)
-        except PromptError as e:
-            raise RequestError(f"messages: {e}", "messages") from None
-        return ids, tuple((p, im.digest) for p, im in zip(firsts, images))
 
     # ------------------------------------------------------------------------------------------- the loop
     def _loop(self) -> None:
@@ -417,7 +377,7 @@ class Scheduler:
             self._ops.copies.append((node.pages[hit // page], self.pool.pages[slot][hit // page]))
         self._ops.restores.append((slot, node.checkpoint.rows))
         if hit == len(req.sequence):
-            self._ops.samples.append((slot, node.checkpoint, self._sampling([req])))
+            self._ops.samples.append((slot, node.checkpoint, sampling_for(self.cfg.vocab_size, [req])))
 
     def _encode(self, req: Request) -> bool:
         """The request's image rows (the vision encoder, on this thread); False when it failed (finished)."""
@@ -465,7 +425,7 @@ class Scheduler:
         ids = np.zeros(C, np.int32)
         ids[:n] = req.sequence[req.computed:req.computed + n]
         embeds = req.media.overlay(req.computed, C) if req.media is not None else None
-        return Chunk(req.slot, req.computed, ids, n, self._sampling([req]), embeds), req
+        return Chunk(req.slot, req.computed, ids, n, sampling_for(self.cfg.vocab_size, [req]), embeds), req
 
     def _plan_rows(self, decoding: list[Request], chunk: Chunk | None) -> tuple[Rows | None, tuple]:
         """The decoding rows: a speculative round when the proposer has drafts and a round pays, else one token
@@ -482,7 +442,7 @@ class Scheduler:
         slots = np.array(live + other[:b - len(live)], np.int32)
         active = np.arange(b) < len(live)
         tokens = np.array([r.tokens[-1] for r in decoding] + [0] * (b - len(live)), np.int32)
-        sampling = self._sampling(decoding + [None] * (b - len(live)))
+        sampling = sampling_for(self.cfg.vocab_size, decoding + [None] * (b - len(live)))
         if self.spec is not None:
             got = self._plan_round(decoding, slots, tokens, active, sampling, chunk)
             if got is not None:
@@ -532,19 +492,6 @@ class Scheduler:
                 if r.prefix.use and (rows.verify or (L + 1) % B == 0):
                     out.append((r.slot, (L // B + 1) * B))
         return tuple(out)
-
-    def _sampling(self, reqs: Sequence[Request | None]) -> Sampling:
-        n, V = len(reqs), self.cfg.vocab_size
-        seeds, ctr = np.zeros(n, np.uint32), np.zeros(n, np.int32)
-        temp, tk, tp = np.zeros(n, np.float32), np.zeros(n, np.int32), np.ones(n, np.float32)
-        for i, r in enumerate(reqs):
-            if r is not None:
-                p = r.params
-                seeds[i], ctr[i], temp[i] = r.seed, len(r.tokens), p.temperature
-                tk[i] = p.top_k or 0
-                tp[i] = 1.0 if p.top_p is None else p.top_p
-        bans = ban_mask([r.ban.banned() if r is not None and r.ban is not None else None for r in reqs], V)
-        return Sampling(seeds, ctr, temp, tk, tp, bans)
 
     # ------------------------------------------------------------------------------------------- applying
     def _apply(self, plan: StepPlan, out: StepOutput) -> None:
@@ -671,17 +618,6 @@ class Scheduler:
         if self.prefix is not None:
             self.prefix.index.check()
         self.pool.check(self.prefix.held_pages() if self.prefix is not None else None, exact)
-
-
-def _content_keys(content_keys, n: int) -> tuple:
-    keys = []
-    for k in content_keys:
-        if not (isinstance(k, tuple) and len(k) == 2 and isinstance(k[0], int) and 0 <= k[0] < n
-                and isinstance(k[1], (bytes, bytearray))):
-            raise RequestError(f"content_keys: expected (position in [0, {n}), digest bytes) pairs, got {k!r}",
-                               "content_keys")
-        keys.append((int(k[0]), bytes(k[1])))
-    return tuple(sorted(keys))
 
 
 __all__ = ["Scheduler", "SamplingParams", "Request", "TokenEvent", "RequestError", "QueueFull", "EngineConfig",

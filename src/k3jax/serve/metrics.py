@@ -48,7 +48,7 @@ _SCHEDULER = [("slots_in_use", "gauge", "decode slots holding a sequence"), ("ma
               ("steps", "counter", "scheduler steps"), ("decode_steps", "counter", "decode steps"),
               ("decode_rows", "counter", "sequences advanced by decode steps (÷ decode_steps: mean batch)"),
               ("prefill_chunks", "counter", "prefill chunks run"),
-              ("mixed_steps", "counter", "steps whose one forward carried decoding rows and a prefill chunk")]
+              ("mixed_steps", "counter", "steps that carried decoding rows and a prefill chunk (one forward with mixed steps on, else two)")]
 _PREFIX = [("lookups", "counter", "prefix-cache lookups (admissions with the cache on)"),
            ("hits", "counter", "lookups that resumed from a cached prefix"),
            ("queried_tokens", "counter", "tokens of the sequences looked up"),
