@@ -444,39 +444,11 @@ class Scheduler:
         tokens = np.array([r.tokens[-1] for r in decoding] + [0] * (b - len(live)), np.int32)
         sampling = sampling_for(self.cfg.vocab_size, decoding + [None] * (b - len(live)))
         if self.spec is not None:
-            got = self._plan_round(decoding, slots, tokens, active, sampling, chunk)
+            got = self.spec.round(decoding, Rows(slots, tokens, active, sampling), chunk, self.pool,
+                                  self.prefix is not None)
             if got is not None:
                 return got
         return Rows(slots, tokens, active, sampling), ()
-
-    def _plan_round(self, decoding, slots, tokens, active, sampling, chunk) -> tuple[Rows, tuple] | None:
-        """A speculative round over the decoding rows, or None when no row drafts or a round would not pay."""
-        sp, b = self.spec, len(slots)
-        on_device = sp.proposer.on_device
-        n_draft, drafts = np.zeros(b, np.int32), np.zeros((b, sp.k), np.int32)
-        for j, r in enumerate(decoding):
-            n = sp.room(r, int(self.pool.lengths[r.slot]), self.prefix is not None)
-            if n and not on_device:
-                d = sp.proposer.propose(r, n)
-                drafts[j, :len(d)] = d
-                n = len(d)
-            n_draft[j] = n
-        if not n_draft.any() or not sp.pays(decoding, n_draft[:len(decoding)], b, 0 if chunk is None else chunk.size):
-            return None
-        catch_up = []
-        if on_device:                                       # the draft must hold what the target holds
-            for j, r in enumerate(decoding):
-                if n_draft[j]:
-                    ch = sp.catch_up(r, int(self.pool.lengths[r.slot]))
-                    catch_up += [ch] if ch is not None else []
-                    if r.spec.draft_len < int(self.pool.lengths[r.slot]):
-                        n_draft[j] = 0
-        for j, r in enumerate(decoding):
-            if n_draft[j]:
-                n_draft[j] = sp.draft_pages(r, int(n_draft[j]), self.pool)
-        if not n_draft.any():
-            return None if not catch_up else (Rows(slots, tokens, active, sampling), tuple(catch_up))
-        return Rows(slots, tokens, active, sampling, drafts, n_draft), tuple(catch_up)
 
     def _saves(self, rows: Rows | None, chunk: Chunk | None, chunk_req: Request | None) -> tuple:
         """``(slot, length)`` where the step may reach a prefix-cache checkpoint boundary."""

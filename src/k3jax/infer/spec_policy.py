@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from k3jax.infer.config import EngineSizes
-from k3jax.infer.plan import Chunk
+from k3jax.infer.plan import Chunk, Rows
 from k3jax.infer.proposers import Proposer
 from k3jax.infer.requests import Request
 from k3jax.infer.slots import SlotPool
@@ -95,6 +95,37 @@ class Speculation:
         if pool.grow(req.slot, L + n + 1):
             return n
         return max(0, min(n, len(pool.pages[req.slot]) * pool.page_size - 1 - L))
+
+    def round(self, decoding: list[Request], rows: Rows, chunk: Chunk | None, pool: SlotPool,
+              prefix: bool) -> tuple[Rows, tuple] | None:
+        """A speculative round over the decoding rows (``rows``: their plain decode step, ``decoding`` its active
+        requests in order) and the draft model's catch-up chunks, or None when no row drafts or a round would not
+        pay (the step decodes plainly)."""
+        b, on_device = rows.size, self.proposer.on_device
+        n_draft, drafts = np.zeros(b, np.int32), np.zeros((b, self.k), np.int32)
+        for j, r in enumerate(decoding):
+            n = self.room(r, int(pool.lengths[r.slot]), prefix)
+            if n and not on_device:
+                d = self.proposer.propose(r, n)
+                drafts[j, :len(d)] = d
+                n = len(d)
+            n_draft[j] = n
+        if not n_draft.any() or not self.pays(decoding, n_draft[:len(decoding)], b, 0 if chunk is None else chunk.size):
+            return None
+        catch_up = []
+        if on_device:                                       # the draft must hold what the target holds
+            for j, r in enumerate(decoding):
+                if n_draft[j]:
+                    ch = self.catch_up(r, int(pool.lengths[r.slot]))
+                    catch_up += [ch] if ch is not None else []
+                    if r.spec.draft_len < int(pool.lengths[r.slot]):
+                        n_draft[j] = 0
+        for j, r in enumerate(decoding):
+            if n_draft[j]:
+                n_draft[j] = self.draft_pages(r, int(n_draft[j]), pool)
+        if not n_draft.any():
+            return None if not catch_up else (rows, tuple(catch_up))
+        return Rows(rows.slots, rows.tokens, rows.active, rows.sampling, drafts, n_draft), tuple(catch_up)
 
     def applied(self, req: Request, drafted: int, kept: int) -> None:
         """A row's round result: ``drafted`` drafts, ``kept`` tokens emitted (accepted drafts + 1)."""

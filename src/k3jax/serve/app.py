@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from prometheus_client import generate_latest
 
 from k3jax.serve.metrics import ServerMetrics
@@ -38,30 +38,6 @@ class ServeConfig:
     default_max_tokens: int = 256
     drain_timeout: float = 10.0
     own_scheduler: bool = True        # closing the app closes the scheduler (False: another app shares it)
-
-
-class EventStream(StreamingResponse):
-    """A streamed response that always closes its body (so the request behind it is cancelled the moment the client
-    goes away, not when the abandoned generator is collected): the body runs beside a watch for the client's
-    disconnect, and whichever ends first ends the other."""
-
-    async def __call__(self, scope, receive, send) -> None:
-        async def watch():
-            while (await receive())["type"] != "http.disconnect":
-                pass
-
-        streaming = asyncio.ensure_future(self.stream_response(send))
-        waiting = asyncio.ensure_future(watch())
-        try:
-            await asyncio.wait({streaming, waiting}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for t in (streaming, waiting):
-                t.cancel()
-            await asyncio.gather(streaming, waiting, return_exceptions=True)
-            await self.body_iterator.aclose()
-        if streaming.done() and not streaming.cancelled() and streaming.exception() is not None:
-            if not isinstance(streaming.exception(), OSError):
-                raise streaming.exception()
 
 
 def create_app(sched, tokenizer, config: ServeConfig, vision=None):
@@ -170,4 +146,4 @@ class _RequestLog:
                 log.info("%s %s %s %.3f s", scope["method"], path, status[0], time.perf_counter() - t0)
 
 
-__all__ = ["create_app", "ServeConfig", "ServerMetrics", "APIError", "EventStream"]
+__all__ = ["create_app", "ServeConfig", "ServerMetrics", "APIError"]

@@ -16,11 +16,37 @@ import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator
 
+from fastapi.responses import StreamingResponse
+
 from k3jax.infer.requests import QueueFull, Request, RequestError, TokenEvent
 from k3jax.serve.protocol import (SSE_DONE, APIError, ChatBody, CommonBody, CompletionBody, Envelope, parse_body,
                                   prediction_ids, sampling_params, sse, usage)
 from k3jax.text.chat import AssistantStreamParser, ChatFormatError, encode_chat
 from k3jax.text.stream import TextStream
+
+
+class EventStream(StreamingResponse):
+    """A streamed response that always closes its body (so the request behind it is cancelled the moment the client
+    goes away, not when the abandoned generator is collected): the body runs beside a watch for the client's
+    disconnect, and whichever ends first ends the other."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        async def watch():
+            while (await receive())["type"] != "http.disconnect":
+                pass
+
+        streaming = asyncio.ensure_future(self.stream_response(send))
+        waiting = asyncio.ensure_future(watch())
+        try:
+            await asyncio.wait({streaming, waiting}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (streaming, waiting):
+                t.cancel()
+            await asyncio.gather(streaming, waiting, return_exceptions=True)
+            await self.body_iterator.aclose()
+        if streaming.done() and not streaming.cancelled() and streaming.exception() is not None:
+            if not isinstance(streaming.exception(), OSError):
+                raise streaming.exception()
 
 
 class Generation:
@@ -237,8 +263,6 @@ class Handlers:
     def _stream(self, gen: Generation, env: Envelope, items, chunks, include_usage: bool, first: dict | None = None):
         """The SSE body: ``first``, ``chunks(item)`` per item, an error event if generating failed, the usage chunk
         when asked, ``[DONE]``."""
-        from k3jax.serve.app import EventStream
-
         async def body():
             try:
                 if first is not None:
@@ -298,4 +322,4 @@ def chat_chunks(env: Envelope):
     return make
 
 
-__all__ = ["Handlers", "Generation", "Delta", "text_deltas", "chat_replies"]
+__all__ = ["Handlers", "Generation", "Delta", "EventStream", "text_deltas", "chat_replies"]
