@@ -359,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--no-bos", action="store_true", help="do not prepend the BOS token")
     g.add_argument("--no-stream", action="store_true")
-    g.add_argument("--chunk", type=int, default=256, help="prefill chunk length")
+    g.add_argument("--chunk", type=int, default=None, help="largest prefill chunk (default: the engine's, 256)")
     g.add_argument("--max-len", type=int, default=None, help="longest prompt + generation (default "
                    "max_position_embeddings)")
     g.add_argument("--dtype", default=None, help="compute dtype override (float32, bfloat16)")

@@ -52,16 +52,17 @@ class GenerateResult:
 
 class Engine:
     """Offline generation for a :class:`K3ForCausalLM` (see the module docstring). ``chunk``: the largest prefill
-    chunk; ``max_len``: the longest prompt + generation accepted (default ``max_position_embeddings``);
+    chunk (default :class:`~k3jax.infer.config.EngineConfig`'s); ``max_len``: the longest prompt + generation accepted (default ``max_position_embeddings``);
     ``speculative`` / ``draft_model``: speculative decoding (:class:`~k3jax.infer.speculative.SpecConfig` or its
     text); ``encoder``, ``pad_id``: a vision encoder for prompts with ``images``."""
 
-    def __init__(self, model: K3ForCausalLM, *, chunk: int = 256, max_len: int | None = None, speculative=None,
-                 draft_model=None, encoder=None, pad_id: int | None = None):
+    def __init__(self, model: K3ForCausalLM, *, chunk: int | None = None, max_len: int | None = None,
+                 speculative=None, draft_model=None, encoder=None, pad_id: int | None = None):
         self.model, self.cfg = model, model.config
-        self.chunk = int(chunk)
+        self.options = EngineConfig(prefix_cache=False, speculative=speculative,
+                                    **({} if chunk is None else {"chunk": int(chunk)}))
+        self.chunk = self.options.chunk
         self.max_len = int(max_len or self.cfg.max_position_embeddings)
-        self.options = EngineConfig(chunk=self.chunk, prefix_cache=False, speculative=speculative)
         self.draft_model, self.encoder, self.pad_id = draft_model, encoder, pad_id
         self._schedulers: dict[tuple, Scheduler] = {}
         self.graphdef, self.state = nnx.split(model)
@@ -246,7 +247,7 @@ class Engine:
 
 def generate(model: K3ForCausalLM, prompt_ids: Sequence[int] | Sequence[Sequence[int]], max_new_tokens: int,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
-             stop_tokens: Sequence[int] = (), chunk: int = 256) -> list[int] | list[list[int]]:
+             stop_tokens: Sequence[int] = (), chunk: int | None = None) -> list[int] | list[list[int]]:
     """Generated token ids for one prompt (a list of ids) or several (a list of lists); greedy at temperature 0."""
     single = len(prompt_ids) > 0 and np.ndim(prompt_ids[0]) == 0
     prompts = [list(prompt_ids)] if single or len(prompt_ids) == 0 else [list(p) for p in prompt_ids]
@@ -256,11 +257,12 @@ def generate(model: K3ForCausalLM, prompt_ids: Sequence[int] | Sequence[Sequence
     return res.tokens[0] if single or len(prompt_ids) == 0 else res.tokens
 
 
-_ENGINES: dict[tuple[int, int], Engine] = {}
+_ENGINES: dict[tuple, Engine] = {}
 
 
-def _engine_for(model: K3ForCausalLM, chunk: int) -> Engine:
+def _engine_for(model: K3ForCausalLM, chunk: int | None) -> Engine:
     """One engine per (model, chunk) so repeated ``generate`` calls reuse compiled steps."""
+    chunk = EngineConfig().chunk if chunk is None else int(chunk)
     key = (id(model), chunk)
     e = _ENGINES.get(key)
     if e is None or e.model is not model:

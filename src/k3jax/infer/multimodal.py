@@ -38,7 +38,7 @@ class MultimodalGenerator:
     vision encoder, reused across calls (each compiles once per prefill/vision bucket)."""
 
     def __init__(self, model: K3ForConditionalGeneration, tokenizer, *, media: MediaConfig | None = None,
-                 chunk: int = 256, max_len: int | None = None, encoder: VisionEncoder | None = None):
+                 chunk: int | None = None, max_len: int | None = None, encoder: VisionEncoder | None = None):
         check_pad_token(model, tokenizer)
         self.model, self.tokenizer = model, tokenizer
         self.media = media or MediaConfig()

@@ -113,6 +113,14 @@ class PrefixCache:
         """Checkpoint bytes plus the bytes of every page a node references (counted once)."""
         return self.checkpoint_bytes + len(self.page_users) * self.page_bytes
 
+    def node(self, key: bytes) -> PrefixNode | None:
+        """The cached node of the prefix ``key`` names, or None."""
+        return self.nodes.get(key)
+
+    def count(self, stat: str, n: int = 1) -> None:
+        """Add ``n`` to the figure ``stat`` (``verified``, ``verify_failures``: the caller's checks)."""
+        self.stats[stat] += n
+
     def lookup(self, hashes: Sequence[bytes]) -> tuple[int, PrefixNode | None]:
         """Two phases: ``k`` = the number of leading blocks cached (MLA pages present), then the deepest node among
         them with a KDA checkpoint (or None). Counts the lookup; the caller records the hit (:meth:`record`)."""

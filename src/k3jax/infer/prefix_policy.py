@@ -58,11 +58,11 @@ class PrefixPolicy:
         ids = req.sequence[:node.length]
         overlay = req.media.overlay if req.media is not None else None
         err, where, ok = runner.compare_prefix(ids, overlay, node.checkpoint, node.pages)
-        self.index.stats["verified"] += 1
+        self.index.count("verified")
         self.verify_log.append({"request": req.id, "cached_tokens": node.length, "ok": ok, "max_abs_diff": err,
                                 "worst": where})
         if not ok:
-            self.index.stats["verify_failures"] += 1
+            self.index.count("verify_failures")
             log.error("prefix cache: the hit of %d tokens for %s does not match its recomputation (%s: max |Δ| "
                       "%.3g); dropped, recomputing without it", node.length, req.id, where, err)
             self.index.unpin(node)
@@ -84,7 +84,7 @@ class PrefixPolicy:
                       req.prefix.content_keys)
         parent, copies = None, []
         for b in range(1, nb + 1):
-            node = self.index.nodes.get(req.prefix.hashes[b - 1])
+            node = self.index.node(req.prefix.hashes[b - 1])
             if node is None:
                 node = self._insert(req, b, parent, copies)
                 if node is None:
