@@ -67,7 +67,7 @@ def checkout() -> dict:
                                     text=True, timeout=10).stdout.strip())
     except (OSError, subprocess.SubprocessError):
         commit, dirty = None, None
-    return {"path": str(src), "commit": commit, "dirty": dirty}
+    return {"commit": commit, "dirty": dirty}
 
 
 def pcts(xs) -> dict:

@@ -252,6 +252,19 @@ def test_acceptance_tracker_backs_off_and_probes():
     assert t.expected_tokens(2) == pytest.approx(1 + 0.65 + 0.65 ** 2)
 
 
+def test_acceptance_tracker_is_optimistic_until_it_has_seen_a_round():
+    """Before a request's first round and for each probe the rate is unknown, so a round is expected to land every
+    draft (n + 1 tokens): a round that costs more than 1 + prior + prior² + … plain steps is still tried once."""
+    t = AcceptanceTracker()
+    assert t.exploring and t.expected_tokens(8) == 9.0
+    t.update(8, 2, generated=5)              # rate 0.65 * 0.5 + 0.35 * 0.25
+    assert not t.exploring and t.expected_tokens(2) == pytest.approx(1 + t.rate + t.rate ** 2)
+    t.update(8, 0, generated=9)
+    t.update(8, 0, generated=10)             # under the floor: backs off, then probes
+    assert t.rate == t.prior and not t.active(11)   # reset to the prior for the probe
+    assert t.probing and t.exploring and t.expected_tokens(3) == 4.0
+
+
 # ------------------------------------------------------------------------------------------------ the scheduler
 class Oracle:
     """Host drafts from the plain greedy answer of the same prompt: the request id says which drafts of a round are

@@ -233,7 +233,10 @@ class AcceptanceTracker:
     """Per request: ``rate`` — an exponential average (weight ``alpha``) of each round's accepted / drafted — and
     the fallback: once a round leaves ``rate`` under ``floor``, no drafting for ``backoff`` generated tokens, after
     which one round probes again from ``prior``; a probe under ``floor`` backs off again at once with twice the
-    backoff (up to ``max_backoff``), a round at or over ``floor`` resets it."""
+    backoff (up to ``max_backoff``), a round at or over ``floor`` resets it. While the rate is unknown — before a
+    request's first round, and for each probe — :meth:`expected_tokens` is optimistic (every draft accepted), so a
+    round is tried at least once whatever the prior says (else a round that costs more than ``1 + prior + …``
+    plain steps would never be tried, and its rate never learnt)."""
 
     prior: float = 0.5
     floor: float = 0.25
@@ -244,6 +247,7 @@ class AcceptanceTracker:
     backoff: int = 0
     resume_at: int = 0          # generated-token count from which the request drafts again
     probing: bool = False       # the next round is a probe after a backoff
+    rounds: int = 0             # rounds seen
 
     def __post_init__(self):
         if self.rate < 0:
@@ -256,6 +260,7 @@ class AcceptanceTracker:
     def update(self, drafted: int, accepted: int, generated: int) -> None:
         if drafted <= 0:
             return
+        self.rounds += 1
         this = accepted / drafted
         self.rate = (1 - self.alpha) * self.rate + self.alpha * this
         failed_probe, self.probing = self.probing and this < self.floor, False
@@ -266,9 +271,15 @@ class AcceptanceTracker:
         elif this >= self.floor:
             self.backoff = self.min_backoff
 
+    @property
+    def exploring(self) -> bool:
+        """The rate is unknown: no round yet, or the next round is a probe."""
+        return self.rounds == 0 or self.probing
+
     def expected_tokens(self, n: int) -> float:
-        """Tokens a round of ``n`` drafts emits on average at this rate: ``Σ_{i=0}^{n} rate^i``."""
-        return sum(self.rate ** i for i in range(n + 1))
+        """Tokens a round of ``n`` drafts emits on average at this rate: ``Σ_{i=0}^{n} rate^i`` (``n + 1`` while
+        :attr:`exploring`)."""
+        return float(n + 1) if self.exploring else sum(self.rate ** i for i in range(n + 1))
 
 
 __all__ = ["speculative_accept", "emitted_tokens", "token_key", "row_filtered", "row_probs", "NgramIndex", "ngram_propose",
