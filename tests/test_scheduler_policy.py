@@ -315,6 +315,25 @@ def test_eviction_takes_unpinned_least_recently_used_leaves_within_the_budget():
 
 
 # ------------------------------------------------------------------------------------------- speculation
+def test_adaptive_rounds_explore_once_then_retime_after_many_refusals():
+    """Measured times make a round a loss (verify 10× a plain step): a request still tries one round while its rate
+    is unknown, then decodes plainly, and after 64 refusals in a row one round runs again to re-measure — a verify
+    time taken on a bad step never switches speculation off for good."""
+    from k3jax.infer import spec_policy
+
+    s = make(speculative=SpecConfig("ngram", 3, adaptive=True))
+    s.spec.proposer = FunctionProposer(lambda req, n: chain(req.prompt + req.tokens, n))
+    s.spec.observe = lambda key, seconds: None
+    s.spec.step_seconds = {(kind, b, 0): (10.0 if kind == "verify" else 1.0) for kind in ("verify", "decode")
+                           for b in s.sizes.decode}
+    r = s.submit(tokens(13, 20), greedy(120))
+    run(s, [r])
+    c = s.spec.counters
+    assert r.tokens == chain(r.prompt, 120)
+    assert c["spec_retime_rounds"] == 1 and c["spec_rounds"] == 2 and r.spec.drafted == 6 and r.spec.accepted == 6
+    assert c["spec_fallback_steps"] >= spec_policy._RETIME_EVERY - 1
+
+
 def test_rounds_draft_within_the_limits_and_the_answer_stays_the_closed_form():
     """A proposer that is right for two drafts then wrong: rounds accept two and the answer is the closed form;
     drafts never cross a prefix-cache block boundary or max_tokens; a request with a ban never drafts."""

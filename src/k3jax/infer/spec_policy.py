@@ -25,6 +25,7 @@ from k3jax.infer.slots import SlotPool
 from k3jax.infer.speculative import AcceptanceTracker, SpecConfig
 
 _COST_WEIGHT = 0.2          # exponential average of the measured step times
+_RETIME_EVERY = 64          # refused rounds in a row at one shape before one runs to measure its time again
 
 
 class Speculation:
@@ -34,8 +35,10 @@ class Speculation:
         self.config, self.proposer, self.sizes, self.block = config, proposer, sizes, block
         self.k = config.k
         self.step_seconds: dict[tuple, float] = {}
+        self.refused: dict[tuple, int] = {}     # (bucket, chunk) → rounds refused in a row
         self.counters = {"spec_steps": 0, "spec_rounds": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0,
-                         "spec_fallback_steps": 0, "draft_prefill_chunks": 0}
+                         "spec_fallback_steps": 0, "spec_retime_rounds": 0,
+                         "draft_prefill_chunks": 0}
 
     def tracker(self, req: Request) -> AcceptanceTracker:
         if req.spec.tracker is None:
@@ -58,8 +61,10 @@ class Speculation:
         return max(0, n)
 
     def pays(self, reqs: list[Request], n_draft: np.ndarray, bucket: int, chunk: int) -> bool:
-        """Whether a round beats a plain step in expected tokens per second (always, without ``adaptive`` or before
-        both have been timed at this shape or without the chunk)."""
+        """Whether a round beats a plain step in expected tokens per second (always, without ``adaptive``, before
+        both have been timed at this shape or without the chunk, or while a request's rate is unknown). After
+        ``_RETIME_EVERY`` refusals in a row at a shape one round runs anyway, so that a verify time measured on a
+        bad step (the times are only updated by steps that run) cannot switch speculation off for good."""
         if not self.config.adaptive:
             return True
         plain, spec = self.step_seconds.get(("decode", bucket, chunk)), self.step_seconds.get(("verify", bucket, chunk))
@@ -67,11 +72,20 @@ class Speculation:
             plain, spec = self.step_seconds.get(("decode", bucket, 0)), self.step_seconds.get(("verify", bucket, 0))
         if plain is None or spec is None:
             return True
+        trackers = [self.tracker(r) for r, n in zip(reqs, n_draft) if n]
+        if any(t.exploring for t in trackers):
+            return True
         expected = sum(self.tracker(r).expected_tokens(int(n)) if n else 1.0 for r, n in zip(reqs, n_draft))
-        if expected / spec < len(reqs) / plain:
-            self.counters["spec_fallback_steps"] += 1
-            return False
-        return True
+        if expected / spec >= len(reqs) / plain:
+            self.refused.pop((bucket, chunk), None)
+            return True
+        n = self.refused[(bucket, chunk)] = self.refused.get((bucket, chunk), 0) + 1
+        if n >= _RETIME_EVERY:
+            self.refused.pop((bucket, chunk))
+            self.counters["spec_retime_rounds"] += 1
+            return True
+        self.counters["spec_fallback_steps"] += 1
+        return False
 
     def catch_up(self, req: Request, length: int) -> Chunk | None:
         """The draft model's next prefill chunk toward the ``length`` tokens the target holds for ``req`` (None:
@@ -144,7 +158,8 @@ class Speculation:
                 "draft_tokens": drafted, "accepted_tokens": accepted,
                 "acceptance_rate": accepted / drafted if drafted else 0.0,
                 "mean_accepted_length": accepted / rounds if rounds else 0.0,
-                "fallback_steps": c["spec_fallback_steps"], "draft_prefill_chunks": c["draft_prefill_chunks"],
+                "fallback_steps": c["spec_fallback_steps"], "retime_rounds": c["spec_retime_rounds"],
+                "draft_prefill_chunks": c["draft_prefill_chunks"],
                 "step_seconds": {f"{kind}@{b}" + (f"+{C}" if C else ""): s
                                  for (kind, b, C), s in sorted(self.step_seconds.items(), key=str)}}
 

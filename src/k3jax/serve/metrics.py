@@ -70,6 +70,7 @@ _SPEC = [("steps", "counter", "decode steps that ran a speculative round"),
          ("acceptance_rate", "gauge", "accepted / drafted tokens since start"),
          ("mean_accepted_length", "gauge", "accepted drafts per round since start (tokens per round − 1)"),
          ("fallback_steps", "counter", "steps with drafts that decoded plainly (a round would not have paid)"),
+         ("retime_rounds", "counter", "rounds run only to measure their step time again after many refusals"),
          ("draft_prefill_chunks", "counter", "chunks the draft model prefilled to catch up with the target")]
 
 
