@@ -277,9 +277,10 @@ class AcceptanceTracker:
         return self.rounds == 0 or self.probing
 
     def expected_tokens(self, n: int) -> float:
-        """Tokens a round of ``n`` drafts emits on average at this rate: ``Σ_{i=0}^{n} rate^i`` (``n + 1`` while
-        :attr:`exploring`)."""
-        return float(n + 1) if self.exploring else sum(self.rate ** i for i in range(n + 1))
+        """Tokens a round of ``n`` drafts emits on average: ``1 + n · rate`` (``rate`` averages accepted / drafted,
+        so ``n · rate`` is the accepted count it predicts — whether drafts fail one by one or, as in an edit, all
+        at once at a changed span; ``n + 1`` while :attr:`exploring`)."""
+        return float(n + 1) if self.exploring else 1.0 + n * self.rate
 
 
 __all__ = ["speculative_accept", "emitted_tokens", "token_key", "row_filtered", "row_probs", "NgramIndex", "ngram_propose",
