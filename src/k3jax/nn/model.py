@@ -8,6 +8,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from k3jax.config import K3Config
 from k3jax.nn.cache import Cache, LayerCache, PagedMLACache
@@ -15,7 +16,9 @@ from k3jax.nn.kda import KDAttention
 from k3jax.nn.layers import KeyGen, Proj, RMSNorm, TokenGroups, param
 from k3jax.nn.mla import MLAttention
 from k3jax.nn.moe import MLP, MoE, RoutingStats
+from k3jax.nn.remat import RematPolicy, remat_policy
 from k3jax.ops.attnres import attnres_mix
+from k3jax.ops.norm import rms_norm
 from k3jax.parallel.context import ContextParallel
 from k3jax.parallel.ep import ExpertParallel
 
@@ -32,8 +35,21 @@ class AttnResSite(nnx.Module):
         self.norm = param(jnp.ones((cfg.hidden_size,), dt), (None,))
         self.proj = param(jnp.zeros((1, cfg.hidden_size), dt), (None, None))
 
-    def __call__(self, blocks: list[jax.Array], partial: jax.Array) -> jax.Array:
-        return attnres_mix(blocks, partial, self.norm[...], self.proj[...], self.eps)
+    def __call__(self, blocks: list[jax.Array], partial: jax.Array, recompute: bool = False,
+                 norm: RMSNorm | None = None) -> jax.Array:
+        """The read of ``blocks`` and ``partial``, then ``norm`` when given (the layer norm the read feeds).
+        ``recompute``: the backward keeps only the read's inputs — the shared blocks and the partial sum, what a
+        plain residual layer keeps as its norm's input — and recomputes the stacked candidates, scores, weights,
+        the read and the norm's input from them (:mod:`k3jax.nn.remat`)."""
+        eps, norm_eps = self.eps, None if norm is None else norm.eps
+
+        def read(blocks, partial, gain, query, norm_weight):
+            a = attnres_mix(blocks, partial, gain, query, eps)
+            return a if norm_weight is None else rms_norm(a, norm_weight, norm_eps)
+
+        if recompute and blocks:
+            read = jax.checkpoint(read)
+        return read(blocks, partial, self.norm[...], self.proj[...], None if norm is None else norm.weight[...])
 
 
 class DecoderLayer(nnx.Module):
@@ -59,12 +75,13 @@ class DecoderLayer(nnx.Module):
                  pos: jax.Array | None = None, n_new: jax.Array | None = None,
                  segment_ids: jax.Array | None = None, kda_kernel: str = "chunked", moe_grouped: bool = True,
                  ep: ExpertParallel | None = None, router_scores: bool = False, kda_record: bool = False,
-                 cp: ContextParallel | None = None
+                 cp: ContextParallel | None = None, attnres_recompute: bool = False
                  ) -> tuple[jax.Array, list[jax.Array], LayerCache | None, RoutingStats | None]:
         """Spec §2 steps 1–8: AttnRes reads (or a plain residual), attention, then the FFN.
 
         ``x`` is the running partial sum ``[B, T, hidden]``, ``blocks`` the sealed AttnRes blocks. With ``cache``
-        the attention continues it (chunk at ``pos[b] + t``, first ``n_new[b]`` tokens real). Returns
+        the attention continues it (chunk at ``pos[b] + t``, first ``n_new[b]`` tokens real).
+        ``attnres_recompute``: the AttnRes reads are recomputed in the backward (:mod:`k3jax.nn.remat`). Returns
         ``(partial sum, blocks, new layer cache or None, routing stats of a MoE layer or None)``."""
         def attend(h: jax.Array) -> tuple[jax.Array, LayerCache | None]:
             if self.kind == "kda":
@@ -72,34 +89,45 @@ class DecoderLayer(nnx.Module):
                                       record=kda_record, cp=cp)
             return self.self_attn(h, cache=cache, pos=pos, n_new=n_new, segment_ids=segment_ids, cp=cp)
 
-        return self.stream(x, blocks, attend, moe_grouped=moe_grouped, ep=ep, router_scores=router_scores)
+        return self.stream(x, blocks, attend, moe_grouped=moe_grouped, ep=ep, router_scores=router_scores,
+                           recompute=attnres_recompute)
 
     def stream(self, x: jax.Array, blocks: list[jax.Array], attend, *, moe_grouped: bool = True,
-               ep: ExpertParallel | None = None, router_scores: bool = False
+               ep: ExpertParallel | None = None, router_scores: bool = False, recompute: bool = False
                ) -> tuple[jax.Array, list[jax.Array], object, RoutingStats | None]:
         """The layer around its sequence mixer: ``attend(h)`` → ``(y, cache)`` with ``h = input_norm(a)`` the
         normed AttnRes read (or the residual) ``[.., T, hidden]``; then the FFN read, the FFN and the partial sum.
-        Returns ``(partial sum, blocks, what attend returned as its cache, routing stats or None)``."""
-        def ffn(m: jax.Array) -> tuple[jax.Array, RoutingStats | None]:
-            h = self.post_attention_layernorm(m)
+        ``recompute``: the AttnRes reads are recomputed in the backward. The mixer's and the FFN's inputs and
+        outputs carry the names :data:`k3jax.nn.remat.LAYER_NAMES`. Returns ``(partial sum, blocks, what attend
+        returned as its cache, routing stats or None)``."""
+        def mixer(h: jax.Array) -> tuple[jax.Array, object]:
+            y, cache = attend(checkpoint_name(h, "mixer_in"))
+            return checkpoint_name(y, "mixer_out"), cache
+
+        def ffn(h: jax.Array) -> tuple[jax.Array, RoutingStats | None]:
+            h = checkpoint_name(h, "ffn_in")
             if self.is_moe:
-                return self.block_sparse_moe(h, grouped=moe_grouped, ep=ep, router_scores=router_scores)
-            return self.mlp(h), None
+                f, stats = self.block_sparse_moe(h, grouped=moe_grouped, ep=ep, router_scores=router_scores)
+            else:
+                f, stats = self.mlp(h), None
+            return checkpoint_name(f, "ffn_out"), stats
 
         if not self.attn_res:
-            y, cache = attend(self.input_layernorm(x))
+            y, cache = mixer(self.input_layernorm(x))
             x = x + y
-            f, stats = ffn(x)
+            f, stats = ffn(self.post_attention_layernorm(x))
             return x + f, blocks, cache, stats
         p = x
-        a = self.self_attention_res(blocks, p) if blocks else p          # identity only at layer 0
+        if blocks:
+            h = self.self_attention_res(blocks, p, recompute, norm=self.input_layernorm)
+        else:
+            h = self.input_layernorm(p)                                  # the read is the identity only at layer 0
         sealed = self.idx % self.block_size == 0
         if sealed:                                                       # seal after the read, before attention
             blocks = blocks + [p]
-        y, cache = attend(self.input_layernorm(a))
+        y, cache = mixer(h)
         p = y if sealed else p + y                                       # the partial sum restarts after a seal
-        m = self.mlp_res(blocks, p)
-        f, stats = ffn(m)
+        f, stats = ffn(self.mlp_res(blocks, p, recompute, norm=self.post_attention_layernorm))
         return p + f, blocks, cache, stats
 
     def forward_groups(self, x: jax.Array, blocks: list[jax.Array], groups: TokenGroups, caches: tuple,
@@ -116,6 +144,20 @@ class DecoderLayer(nnx.Module):
 
         x, blocks, caches, _ = self.stream(x, blocks, attend)
         return x, blocks, caches
+
+
+def _checkpointed(layer: DecoderLayer, x: jax.Array, blocks: list[jax.Array], policy: RematPolicy, kw: dict
+                  ) -> tuple[jax.Array, list[jax.Array], RoutingStats | None]:
+    """One decoder layer (whole sequences, no cache) under ``jax.checkpoint`` with ``policy.layer``: the backward
+    recomputes what the policy does not save from the layer's inputs (``x`` and the shared ``blocks``). The
+    layer's state goes in as a pure argument (a forward mutates none of it)."""
+    graph, state = nnx.split(layer)
+
+    def run(state, x, blocks):
+        x, blocks, _, st = nnx.merge(graph, state)(x, blocks, attnres_recompute=policy.attnres, **kw)
+        return x, blocks, st
+
+    return jax.checkpoint(run, policy=policy.layer)(state, x, blocks)
 
 
 class CausalLMOutput(NamedTuple):
@@ -145,6 +187,9 @@ class K3Model(nnx.Module):
         """Final hidden states ``[B, T, hidden]``, the layers' new caches (or None) and the MoE layers' stats.
         ``embeds = (rows [B, T, hidden], mask [B, T] bool)``: where ``mask``, ``rows`` replace the token embedding
         (image features spliced at ``<|media_pad|>`` positions)."""
+        policy = remat_policy(kw.pop("remat", None))
+        if cache is not None:                            # continuing a cache: no backward to keep anything for
+            policy = remat_policy("none")
         x = self.embed(input_ids, embeds)
         cp = kw.get("cp")
         if cp is not None and cp.active and cache is None:
@@ -152,13 +197,18 @@ class K3Model(nnx.Module):
         blocks: list[jax.Array] = []
         stats, new = [], []
         for i, layer in enumerate(self.layers):
-            c = None if cache is None else cache.layers[i]
-            pos = None if cache is None else cache.lengths
-            x, blocks, c, st = layer(x, blocks, cache=c, pos=pos, n_new=n_new, **kw)
+            if policy.layer is not None:
+                x, blocks, st = _checkpointed(layer, x, blocks, policy, kw)
+                c = None
+            else:
+                c = None if cache is None else cache.layers[i]
+                pos = None if cache is None else cache.lengths
+                x, blocks, c, st = layer(x, blocks, cache=c, pos=pos, n_new=n_new, attnres_recompute=policy.attnres,
+                                         **kw)
             new.append(c)
             if st is not None:
                 stats.append(st)
-        return self.read_out(x, blocks), (tuple(new) if cache is not None else None), stats
+        return self.read_out(x, blocks, policy.attnres), (tuple(new) if cache is not None else None), stats
 
     def embed(self, input_ids: jax.Array, embeds: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
         """Token embeddings ``[.., T, hidden]``, ``rows`` where ``mask`` when ``embeds = (rows, mask)``."""
@@ -168,10 +218,10 @@ class K3Model(nnx.Module):
             x = jnp.where(mask[..., None], rows.astype(x.dtype), x)
         return x
 
-    def read_out(self, x: jax.Array, blocks: list[jax.Array]) -> jax.Array:
+    def read_out(self, x: jax.Array, blocks: list[jax.Array], recompute: bool = False) -> jax.Array:
         """The final hidden states: the output AttnRes read of the last partial sum ``x`` (or ``x``), normed."""
         if self.attn_res:
-            x = self.output_attn_res(blocks, x)
+            return self.output_attn_res(blocks, x, recompute, norm=self.norm)
         return self.norm(x)
 
     def forward_groups(self, input_ids: tuple[jax.Array, ...], caches: tuple[Cache, ...],
@@ -217,7 +267,8 @@ class K3ForCausalLM(nnx.Module):
                  segment_ids: jax.Array | None = None, kda_kernel: str = "chunked", moe_grouped: bool = True,
                  ep: ExpertParallel | None = None, router_scores: bool = False,
                  kda_record: bool = False, cp: ContextParallel | None = None,
-                 embeds: tuple[jax.Array, jax.Array] | None = None) -> CausalLMOutput:
+                 embeds: tuple[jax.Array, jax.Array] | None = None,
+                 remat: str | RematPolicy | None = None) -> CausalLMOutput:
         """Logits ``[B, T, vocab]`` and per-MoE-layer expert token counts.
 
         * ``cache=None``: whole sequences (training, one-shot scoring); ``segment_ids [B, T]`` marks packed
@@ -236,7 +287,10 @@ class K3ForCausalLM(nnx.Module):
           over a mesh's context axis (KDA by affine state summaries, MLA by gathering the latent).
         * ``embeds = (rows [B, T, hidden], mask [B, T] bool)``: input rows that replace the token embedding where
           ``mask`` (image features at ``<|media_pad|>`` positions; :mod:`k3jax.vision`).
+        * ``remat`` (without a cache): what each layer keeps for the backward, by name (:mod:`k3jax.nn.remat`:
+          ``none`` | ``attnres`` | ``minimal`` | ``offload`` | ``full``); the forward's values do not change.
         """
+        remat = remat_policy(remat)
         input_ids = jnp.asarray(input_ids)
         if input_ids.ndim != 2 or not jnp.issubdtype(input_ids.dtype, jnp.integer):
             raise ValueError(f"input_ids: expected integer ids of shape [B, T], got {input_ids.dtype}{input_ids.shape}")
@@ -256,7 +310,7 @@ class K3ForCausalLM(nnx.Module):
                                  f"{input_ids.shape}, got {rows.shape} and {mask.shape}")
         h, layers, stats = self.model(input_ids, cache=cache, n_new=n_new, segment_ids=segment_ids, embeds=embeds,
                                       kda_kernel=kda_kernel, moe_grouped=moe_grouped, ep=ep,
-                                      router_scores=router_scores, kda_record=kda_record, cp=cp)
+                                      router_scores=router_scores, kda_record=kda_record, cp=cp, remat=remat)
         E = self.config.num_experts or 0
         counts = jnp.stack([s.counts for s in stats]) if stats else jnp.zeros((0, E), jnp.int32)
         scores = tuple(s.scores for s in stats) if router_scores else None

@@ -24,6 +24,7 @@ from flax import nnx
 
 from k3jax.config import ConfigError, K3Config, resolve_config
 from k3jax.nn.model import K3ForCausalLM
+from k3jax.nn.remat import REMAT_NAMES
 from k3jax.ops.balance import max_violation
 from k3jax.parallel.context import ContextParallel
 from k3jax.parallel.ep import ExpertParallel
@@ -89,6 +90,7 @@ class TrainConfig:
     mesh: str = ""                            # e.g. "data=2,expert=4" (empty: one device)
     ep_method: str = "moonep"                 # routed experts over the expert axis: moonep | dropless | capacity
     precision: str = "fp32"                   # "fp32" | "bf16": bf16 compute over fp32 master weights (see compute_dtypes)
+    remat: str = "none"                       # what a layer keeps for the backward (k3jax.nn.remat.REMAT_NAMES)
 
     @classmethod
     def load(cls, path: str | Path | None = None, overrides: list[str] | None = None) -> "TrainConfig":
@@ -146,6 +148,8 @@ class TrainConfig:
         if self.ep_method not in ("moonep", "dropless", "capacity"):
             raise ConfigError(f"training config: ep_method: expected 'moonep', 'dropless' or 'capacity', got "
                               f"{self.ep_method!r}")
+        if self.remat not in REMAT_NAMES:
+            raise ConfigError(f"training config: remat: expected one of {', '.join(REMAT_NAMES)}, got {self.remat!r}")
         if self.precision not in PRECISIONS:
             raise ConfigError(f"training config: precision: expected one of {', '.join(PRECISIONS)}, got "
                               f"{self.precision!r}")
@@ -243,7 +247,7 @@ def make_step(graphdef, params_template, rest_template, optimizer, c: TrainConfi
         if compute is not None:                   # fp32 master weights → the compute dtype (gradients come back fp32)
             params = jax.tree.map(lambda p, d: p.astype(d), params, compute)
         out = merged(params, rest)(batch["input_ids"], segment_ids=batch["segment_ids"], ep=ep, cp=cp,
-                                   router_scores=router_scores)
+                                   router_scores=router_scores, remat=c.remat)
         return cross_entropy(out.logits, batch["targets"], batch["loss_mask"]), out
 
     def accumulated(params, rest, batch):
