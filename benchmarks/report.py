@@ -548,6 +548,23 @@ def t_vision(r: dict) -> str:
     return out
 
 
+def t_depth(r: dict) -> str:
+    p = r.get("params", {})
+    rows = [[c.get("depth"), c.get("layout"), num(c.get("forward_compile_s"), ",.1f", suffix=" s"),
+             num(c.get("grad_compile_s"), ",.1f", suffix=" s")] for c in r.get("compile", [])]
+    out = (f"Compile time vs depth ({p.get('widths')}, {p.get('pattern')}; batch {p.get('batch')}×"
+           f"{p.get('compile_seq')}):\n\n" + table(["layers", "layout", "forward", "gradient"], rows))
+    rows = [[x.get("model"), x.get("remat"), mib(x.get("residual_bytes")),
+             num((x.get("residual_bytes_per_layer") or 0) / 2**10, ",.1f", suffix=" KiB"), mib(x.get("temp_bytes")),
+             mib(x.get("host_temp_bytes")), num(x.get("compile_s"), ",.1f", suffix=" s"), ms(x.get("step_s"))]
+            for x in r.get("remat", [])]
+    out += (f"\n\nRemat policies at {p.get('remat_depth')} layers, batch {p.get('batch')}×{p.get('seq')} (kept = the "
+            f"VJP's residuals without the parameters):\n\n" +
+            table(["model", "remat", "kept (MiB)", "kept / layer", "XLA temp (MiB)", "host temp (MiB)", "compile",
+                   "step (ms)"], rows))
+    return out
+
+
 def t_generic(r: dict) -> str:
     rows = [[k, num(v, ",.4g") if isinstance(v, float) else v] for k, v in r.items()
             if isinstance(v, (int, float, str, bool)) and k not in META]
@@ -560,7 +577,7 @@ FORMATTERS: dict[str, Callable[[dict], str]] = {
     "inference.prefill": t_prefill, "serve": t_serve, "serve_mixed": t_serve_mixed, "prefix_cache": t_prefix_cache,
     "speculative": t_speculative,
     "context_parallel": t_context_parallel, "moonep": t_moonep, "balance": t_balance, "load_rss": t_load_rss,
-    "step_profile": t_step_profile, "vision": t_vision}
+    "step_profile": t_step_profile, "vision": t_vision, "depth": t_depth}
 META = {"command", "module_command", "wall_seconds", "recorded", "quick", "roofline", "benchmark"}
 
 

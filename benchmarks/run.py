@@ -107,6 +107,10 @@ BENCHMARKS: dict[str, Bench] = {
                     "roofline; patch-bucket compiles and padding waste on a size mix; TTFT image+text vs text",
                     "vision", ("--reps", "1"), ("--sizes", "224", "--layers", "2", "--reps", "1", "--text-preset",
                                                 "tiny", "--ttft-image", "224")),
+    "depth": Bench("depth", "training at K3's depth (test widths, K3 layer pattern): compile time vs depth; bytes kept "
+                   "for the backward, XLA temporaries and step time per remat policy vs a plain-residual model",
+                   "depth", ("--plot", "benchmarks/depth.png"),
+                   ("--depths", "4", "8", "--remat-depth", "8", "--seq", "64", "--reps", "1"), isolated=True),
     "load_rss": Bench("load_rss", "peak host RSS while loading a multi-shard MXFP4 checkpoint", "load_rss",
                       quick=("--hidden", "128", "--experts", "8", "--layers", "4", "--shard-size", "2MB")),
 }
