@@ -292,9 +292,9 @@ def test_step_profile_counts_the_attnres_reads_and_muon_flops_the_model_runs(mon
     seen: dict[int, int] = {}
     orig = model_mod.AttnResSite.__call__
 
-    def counting(self, blocks, partial):
+    def counting(self, blocks, partial, *args, **kw):
         seen[len(blocks)] = seen.get(len(blocks), 0) + 1
-        return orig(self, blocks, partial)
+        return orig(self, blocks, partial, *args, **kw)
 
     monkeypatch.setattr(model_mod.AttnResSite, "__call__", counting)
     for preset in ("tiny", "100m"):
