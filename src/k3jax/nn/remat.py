@@ -15,6 +15,7 @@ normed read entering the MLP/MoE) and ``ffn_out``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import re
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ class RematPolicy:
     saves: str                   # what a layer keeps for the backward, in words
 
 
+@functools.cache
 def _policies() -> dict[str, RematPolicy]:
     cp = jax.checkpoint_policies
     return {p.name: p for p in (
