@@ -9,7 +9,8 @@ of 12 — so depth is the only thing that grows.
 
 * **Compile time vs depth** — the jitted forward (logits) and its gradient (``jax.value_and_grad`` of the mean
   log-probability) at ``--depths`` layers, batch ``--batch`` × ``--compile-seq``: lowering + XLA compile, seconds.
-  The layers are unrolled (each compiled on its own), so the time grows with depth.
+  Unrolled, each layer is compiled on its own, so the time grows with depth; scanned (``scan_layers=True``,
+  :mod:`k3jax.nn.scan`), the periodic run of layers is one ``lax.scan`` body compiled once.
 * **Remat policies** (``k3jax.nn.remat``) at ``--remat-depth`` layers, batch ``--batch`` × ``--seq``: per policy,
   the bytes the backward keeps (``saved_residuals``: JAX's listing of the VJP's residuals, the parameters
   excluded), XLA's memory analysis of the compiled gradient (temporaries; host temporaries for ``offload``), the
@@ -58,12 +59,12 @@ def model_loss(cfg, batch: int, seq: int):
     params = jax.tree.map(lambda p: jnp.asarray(np.asarray(p) + 0.02 * rng.standard_normal(p.shape), p.dtype), params)
     ids = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, seq)), jnp.int32)
 
-    def loss(params, remat="none"):
-        out = nnx.merge(graph, params, rest)(ids, remat=remat)
+    def loss(params, remat="none", scan=False):
+        out = nnx.merge(graph, params, rest)(ids, remat=remat, scan_layers=scan)
         return jnp.mean(jax.nn.log_softmax(out.logits)[..., 0])
 
-    def logits(params):
-        return nnx.merge(graph, params, rest)(ids).logits
+    def logits(params, scan=False):
+        return nnx.merge(graph, params, rest)(ids, scan_layers=scan).logits
 
     return params, loss, logits
 
@@ -75,21 +76,30 @@ def compiled(fn, params) -> tuple[object, float]:
 
 
 def compile_rows(depths, batch: int, seq: int) -> list[dict]:
+    from k3jax.nn.scan import scan_plan
+
     rows = []
     for L in depths:
-        params, loss, logits = model_loss(k3_pattern(L), batch, seq)
-        _, fwd = compiled(logits, params)
-        _, grad = compiled(jax.value_and_grad(loss), params)
-        rows.append({"depth": L, "layout": "unrolled", "forward_compile_s": fwd, "grad_compile_s": grad})
-        print(f"depth {L:3d} unrolled | forward {fwd:6.1f} s | gradient {grad:6.1f} s", file=sys.stderr, flush=True)
+        cfg = k3_pattern(L)
+        params, loss, logits = model_loss(cfg, batch, seq)
+        plan = scan_plan(cfg)
+        for layout, scan in (("unrolled", False), ("scanned", True)):
+            _, fwd = compiled(lambda p: logits(p, scan), params)
+            _, grad = compiled(jax.value_and_grad(lambda p: loss(p, "none", scan)), params)
+            compiled_layers = plan.compiled_layers(L) if scan and plan else L
+            rows.append({"depth": L, "layout": layout, "compiled_layers": compiled_layers,
+                         "scan_plan": list(plan) if scan and plan else None,
+                         "forward_compile_s": fwd, "grad_compile_s": grad})
+            print(f"depth {L:3d} {layout:>8} ({compiled_layers:3d} layers compiled) | forward {fwd:6.1f} s | "
+                  f"gradient {grad:6.1f} s", file=sys.stderr, flush=True)
     return rows
 
 
-def policy_row(label: str, params, loss, policy: str, depth: int, reps: int) -> dict:
+def policy_row(label: str, params, loss, policy: str, depth: int, reps: int, scan: bool = False) -> dict:
     from k3jax.nn.remat import saved_residuals
 
-    kept = sum(n for _, n in saved_residuals(lambda p: loss(p, policy), params))
-    c, secs = compiled(jax.value_and_grad(lambda p: loss(p, policy)), params)
+    kept = sum(n for _, n in saved_residuals(lambda p: loss(p, policy, scan), params))
+    c, secs = compiled(jax.value_and_grad(lambda p: loss(p, policy, scan)), params)
     mem = c.memory_analysis()
     jax.block_until_ready(c(params))
     times = []
@@ -97,10 +107,12 @@ def policy_row(label: str, params, loss, policy: str, depth: int, reps: int) -> 
         t = time.perf_counter()
         jax.block_until_ready(c(params))
         times.append(time.perf_counter() - t)
-    row = {"model": label, "remat": policy, "residual_bytes": kept, "residual_bytes_per_layer": kept / depth,
+    row = {"model": label, "remat": policy, "scanned": scan, "residual_bytes": kept,
+           "residual_bytes_per_layer": kept / depth,
            "temp_bytes": int(mem.temp_size_in_bytes), "host_temp_bytes": int(mem.host_temp_size_in_bytes),
            "compile_s": secs, "step_s": statistics.median(times)}
-    print(f"{label:>14} {policy:>8} | kept {kept / 2**20:8.2f} MiB ({kept / depth / 2**10:8.1f} KiB/layer) | "
+    print(f"{label:>14} {policy:>8}{' scanned' if scan else ''} | kept {kept / 2**20:8.2f} MiB "
+          f"({kept / depth / 2**10:8.1f} KiB/layer) | "
           f"XLA temp {row['temp_bytes'] / 2**20:8.2f} MiB (host {row['host_temp_bytes'] / 2**20:.2f}) | "
           f"compile {secs:5.1f} s | step {row['step_s'] * 1e3:7.1f} ms", file=sys.stderr, flush=True)
     return row
@@ -111,6 +123,8 @@ def remat_rows(depth: int, batch: int, seq: int, reps: int) -> list[dict]:
 
     params, loss, _ = model_loss(k3_pattern(depth), batch, seq)
     rows = [policy_row("AttnRes", params, loss, name, depth, reps) for name in REMAT_NAMES]
+    # scanned: the run's AttnRes block buffer is part of the scan's carry, kept once per iteration
+    rows += [policy_row("AttnRes", params, loss, name, depth, reps, scan=True) for name in ("none", "attnres", "full")]
     params, loss, _ = model_loss(k3_pattern(depth, attn_res=False), batch, seq)
     rows.append(policy_row("plain residual", params, loss, "none", depth, reps))
     return rows
@@ -124,15 +138,18 @@ def plot(res: dict, path: str) -> None:
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     cr = res["compile"]
     for key, lab in (("forward_compile_s", "forward"), ("grad_compile_s", "gradient")):
-        a.plot([r["depth"] for r in cr], [r[key] for r in cr], "o-", label=f"{lab}, unrolled")
+        for layout, style in (("unrolled", "o-"), ("scanned", "s--")):
+            rs = [r for r in cr if r["layout"] == layout]
+            a.plot([r["depth"] for r in rs], [r[key] for r in rs], style, label=f"{lab}, {layout}")
     a.set_xlabel("layers")
     a.set_ylabel("compile time (s)")
     a.set_title("compile time vs depth (test widths, K3 pattern)")
     a.legend()
     rr = res["remat"]
-    names = [f"{r['remat']}" if r["model"] == "AttnRes" else "plain\nresidual" for r in rr]
+    names = [(r["remat"] + ("\nscanned" if r.get("scanned") else "")) if r["model"] == "AttnRes"
+             else "plain\nresidual" for r in rr]
     b.bar(range(len(rr)), [r["residual_bytes_per_layer"] / 2**10 for r in rr],
-          color=["C0" if r["model"] == "AttnRes" else "C2" for r in rr])
+          color=["C2" if r["model"] != "AttnRes" else "C1" if r.get("scanned") else "C0" for r in rr])
     b.set_xticks(range(len(rr)), names)
     b.set_ylabel("KiB kept for the backward per layer")
     b.set_title(f"remat policies ({res['params']['remat_depth']} layers, "

@@ -47,7 +47,9 @@ def test_k3_forward_matches_numpy_reference_float64(k3_fixture, x64):
     d, ids, ref = k3_fixture
     model = k3jax.load_pretrained(d, dtype="float64")
     ids = jnp.asarray(ids, jnp.int32)
-    for kw in ({}, {"kda_kernel": "recurrent", "moe_grouped": False}):
+    # scan_layers: the test preset's layers 1 and 2 (KDA + MoE, layer 2 sealing an AttnRes block) as a scan
+    assert model.model.scan_plan == (1, 1, 2)
+    for kw in ({}, {"kda_kernel": "recurrent", "moe_grouped": False}, {"scan_layers": True}):
         out = np.asarray(jit_forward(model, ids, **kw).logits)
         assert out.dtype == np.float64
         assert np.max(np.abs(out - ref)) <= 1e-9 * np.max(np.abs(ref))

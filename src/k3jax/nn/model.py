@@ -3,6 +3,7 @@ decode: without a cache it runs whole sequences; with a :class:`~k3jax.nn.cache.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -17,6 +18,7 @@ from k3jax.nn.layers import KeyGen, Proj, RMSNorm, TokenGroups, param
 from k3jax.nn.mla import MLAttention
 from k3jax.nn.moe import MLP, MoE, RoutingStats
 from k3jax.nn.remat import RematPolicy, remat_policy
+from k3jax.nn.scan import BlockBuffer, run_scanned, scan_plan
 from k3jax.ops.attnres import attnres_mix
 from k3jax.ops.norm import rms_norm
 from k3jax.parallel.context import ContextParallel
@@ -44,7 +46,11 @@ class AttnResSite(nnx.Module):
         eps, norm_eps = self.eps, None if norm is None else norm.eps
 
         def read(blocks, partial, gain, query, norm_weight):
-            a = attnres_mix(blocks, partial, gain, query, eps)
+            if isinstance(blocks, BlockBuffer):                          # a scanned run's blocks (masked rows)
+                rows, valid = blocks.candidates()
+                a = attnres_mix(rows, partial, gain, query, eps, valid=valid)
+            else:
+                a = attnres_mix(blocks, partial, gain, query, eps)
             return a if norm_weight is None else rms_norm(a, norm_weight, norm_eps)
 
         if recompute and blocks:
@@ -75,14 +81,16 @@ class DecoderLayer(nnx.Module):
                  pos: jax.Array | None = None, n_new: jax.Array | None = None,
                  segment_ids: jax.Array | None = None, kda_kernel: str = "chunked", moe_grouped: bool = True,
                  ep: ExpertParallel | None = None, router_scores: bool = False, kda_record: bool = False,
-                 cp: ContextParallel | None = None, attnres_recompute: bool = False
+                 cp: ContextParallel | None = None, attnres_recompute: bool = False, index: jax.Array | None = None
                  ) -> tuple[jax.Array, list[jax.Array], LayerCache | None, RoutingStats | None]:
         """Spec §2 steps 1–8: AttnRes reads (or a plain residual), attention, then the FFN.
 
         ``x`` is the running partial sum ``[B, T, hidden]``, ``blocks`` the sealed AttnRes blocks. With ``cache``
         the attention continues it (chunk at ``pos[b] + t``, first ``n_new[b]`` tokens real).
-        ``attnres_recompute``: the AttnRes reads are recomputed in the backward (:mod:`k3jax.nn.remat`). Returns
-        ``(partial sum, blocks, new layer cache or None, routing stats of a MoE layer or None)``."""
+        ``attnres_recompute``: the AttnRes reads are recomputed in the backward (:mod:`k3jax.nn.remat`).
+        ``index`` (traced; in a scanned run, :mod:`k3jax.nn.scan`, with ``blocks`` a ``BlockBuffer``): this
+        layer's number, which decides whether it seals a block. Returns ``(partial sum, blocks, new layer cache or
+        None, routing stats of a MoE layer or None)``."""
         def attend(h: jax.Array) -> tuple[jax.Array, LayerCache | None]:
             if self.kind == "kda":
                 return self.self_attn(h, cache=cache, n_new=n_new, segment_ids=segment_ids, kernel=kda_kernel,
@@ -90,11 +98,11 @@ class DecoderLayer(nnx.Module):
             return self.self_attn(h, cache=cache, pos=pos, n_new=n_new, segment_ids=segment_ids, cp=cp)
 
         return self.stream(x, blocks, attend, moe_grouped=moe_grouped, ep=ep, router_scores=router_scores,
-                           recompute=attnres_recompute)
+                           recompute=attnres_recompute, index=index)
 
     def stream(self, x: jax.Array, blocks: list[jax.Array], attend, *, moe_grouped: bool = True,
-               ep: ExpertParallel | None = None, router_scores: bool = False, recompute: bool = False
-               ) -> tuple[jax.Array, list[jax.Array], object, RoutingStats | None]:
+               ep: ExpertParallel | None = None, router_scores: bool = False, recompute: bool = False,
+               index: jax.Array | None = None) -> tuple[jax.Array, list[jax.Array], object, RoutingStats | None]:
         """The layer around its sequence mixer: ``attend(h)`` → ``(y, cache)`` with ``h = input_norm(a)`` the
         normed AttnRes read (or the residual) ``[.., T, hidden]``; then the FFN read, the FFN and the partial sum.
         ``recompute``: the AttnRes reads are recomputed in the backward. The mixer's and the FFN's inputs and
@@ -122,11 +130,17 @@ class DecoderLayer(nnx.Module):
             h = self.self_attention_res(blocks, p, recompute, norm=self.input_layernorm)
         else:
             h = self.input_layernorm(p)                                  # the read is the identity only at layer 0
-        sealed = self.idx % self.block_size == 0
-        if sealed:                                                       # seal after the read, before attention
-            blocks = blocks + [p]
-        y, cache = mixer(h)
-        p = y if sealed else p + y                                       # the partial sum restarts after a seal
+        if isinstance(blocks, BlockBuffer):                              # scanned: the seal decided at run time
+            sealed = index % self.block_size == 0
+            blocks = blocks.seal(p, sealed)
+            y, cache = mixer(h)
+            p = jnp.where(sealed, y, p + y)
+        else:
+            sealed = self.idx % self.block_size == 0
+            if sealed:                                                   # seal after the read, before attention
+                blocks = blocks + [p]
+            y, cache = mixer(h)
+            p = y if sealed else p + y                                   # the partial sum restarts after a seal
         f, stats = ffn(self.mlp_res(blocks, p, recompute, norm=self.post_attention_layernorm))
         return p + f, blocks, cache, stats
 
@@ -137,13 +151,16 @@ class DecoderLayer(nnx.Module):
         tokens (:class:`TokenGroups`); group g continues ``caches[g]`` at ``pos[g] [B_g]`` with ``n_new[g]``
         (``record[g]``: a KDA layer returns :class:`~k3jax.nn.cache.KDAPending`). Norms, AttnRes reads and the FFN
         run on all N tokens. Returns ``(partial sum, blocks, the groups' new layer caches)``."""
-        def attend(h: jax.Array) -> tuple[jax.Array, tuple]:
-            if self.kind == "kda":
-                return self.self_attn.forward_groups(h, groups, caches, n_new, record)
-            return self.self_attn.forward_groups(h, groups, caches, pos, n_new)
-
-        x, blocks, caches, _ = self.stream(x, blocks, attend)
+        x, blocks, caches, _ = self.stream(x, blocks, functools.partial(self.attend_groups, groups, caches, pos,
+                                                                        n_new, record))
         return x, blocks, caches
+
+    def attend_groups(self, groups: TokenGroups, caches: tuple, pos: tuple, n_new: tuple, record: tuple,
+                      h: jax.Array) -> tuple[jax.Array, tuple]:
+        """The sequence mixer over every group's tokens ``h [1, N, hidden]``: ``(y, the groups' new caches)``."""
+        if self.kind == "kda":
+            return self.self_attn.forward_groups(h, groups, caches, n_new, record)
+        return self.self_attn.forward_groups(h, groups, caches, pos, n_new)
 
 
 def _checkpointed(layer: DecoderLayer, x: jax.Array, blocks: list[jax.Array], policy: RematPolicy, kw: dict
@@ -180,9 +197,11 @@ class K3Model(nnx.Module):
         self.attn_res = cfg.attn_res
         if self.attn_res:
             self.output_attn_res = AttnResSite(cfg)
+        self.scan_plan = scan_plan(cfg)                  # the periodic run that scan_layers=True compiles once
+        self.block_size = cfg.attn_res_block_size if cfg.attn_res else None
 
     def __call__(self, input_ids: jax.Array, *, cache: Cache | None = None, n_new: jax.Array | None = None,
-                 embeds: tuple[jax.Array, jax.Array] | None = None,
+                 embeds: tuple[jax.Array, jax.Array] | None = None, scan_layers: bool = False,
                  **kw) -> tuple[jax.Array, tuple | None, list[RoutingStats]]:
         """Final hidden states ``[B, T, hidden]``, the layers' new caches (or None) and the MoE layers' stats.
         ``embeds = (rows [B, T, hidden], mask [B, T] bool)``: where ``mask``, ``rows`` replace the token embedding
@@ -196,19 +215,49 @@ class K3Model(nnx.Module):
             x = cp.constrain(x)                          # tokens stay on the rank that owns their time slice
         blocks: list[jax.Array] = []
         stats, new = [], []
-        for i, layer in enumerate(self.layers):
-            if policy.layer is not None:
-                x, blocks, st = _checkpointed(layer, x, blocks, policy, kw)
+        plan = self.scan_plan if scan_layers else None
+        i = 0
+        while i < len(self.layers):
+            if plan is not None and i == plan.start:      # the periodic run: one scan body (k3jax.nn.scan)
+                x, blocks, sts, cs = run_scanned(
+                    self.layers, plan, self.block_size, x, blocks, functools.partial(self._one, policy, kw, cache,
+                                                                                     n_new),
+                    recompute=policy.layer is not None or policy.attnres,
+                    caches=None if cache is None else list(cache.layers[plan.start:plan.stop]))
+                stats += sts
+                new += cs if cache is not None else [None] * (plan.stop - i)
+                i = plan.stop
+                continue
+            layer = self.layers[i]
+            if cache is None:
+                x, blocks, st = self._whole(layer, x, blocks, policy, kw)
                 c = None
             else:
-                c = None if cache is None else cache.layers[i]
-                pos = None if cache is None else cache.lengths
-                x, blocks, c, st = layer(x, blocks, cache=c, pos=pos, n_new=n_new, attnres_recompute=policy.attnres,
-                                         **kw)
+                x, blocks, c, st = layer(x, blocks, cache=cache.layers[i], pos=cache.lengths, n_new=n_new, **kw)
             new.append(c)
             if st is not None:
                 stats.append(st)
+            i += 1
         return self.read_out(x, blocks, policy.attnres), (tuple(new) if cache is not None else None), stats
+
+    @classmethod
+    def _one(cls, policy: RematPolicy, kw: dict, cache: Cache | None, n_new, layer: DecoderLayer, x: jax.Array,
+             blocks, index: jax.Array, c) -> tuple:
+        """One layer of a scanned run: ``(x, blocks, new layer cache or None, stats or None)``."""
+        if cache is None:
+            x, blocks, st = cls._whole(layer, x, blocks, policy, kw, index)
+            return x, blocks, None, st
+        x, blocks, c, st = layer(x, blocks, cache=c, pos=cache.lengths, n_new=n_new, index=index, **kw)
+        return x, blocks, c, st
+
+    @staticmethod
+    def _whole(layer: DecoderLayer, x: jax.Array, blocks, policy: RematPolicy, kw: dict,
+               index: jax.Array | None = None) -> tuple[jax.Array, list[jax.Array], RoutingStats | None]:
+        """One layer over whole sequences (no cache), checkpointed by ``policy``; ``index`` in a scanned run."""
+        if policy.layer is not None:
+            return _checkpointed(layer, x, blocks, policy, {**kw, "index": index})
+        x, blocks, _, st = layer(x, blocks, attnres_recompute=policy.attnres, index=index, **kw)
+        return x, blocks, st
 
     def embed(self, input_ids: jax.Array, embeds: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
         """Token embeddings ``[.., T, hidden]``, ``rows`` where ``mask`` when ``embeds = (rows, mask)``."""
@@ -225,8 +274,8 @@ class K3Model(nnx.Module):
         return self.norm(x)
 
     def forward_groups(self, input_ids: tuple[jax.Array, ...], caches: tuple[Cache, ...],
-                       n_new: tuple[jax.Array, ...], embeds: tuple, record: tuple[bool, ...]
-                       ) -> tuple[tuple[jax.Array, ...], tuple[tuple, ...]]:
+                       n_new: tuple[jax.Array, ...], embeds: tuple, record: tuple[bool, ...],
+                       scan_layers: bool = False) -> tuple[tuple[jax.Array, ...], tuple[tuple, ...]]:
         """Row groups ``input_ids[g] [B_g, T_g]`` continuing ``caches[g]`` in one pass: every token-wise step runs
         once on the groups' tokens concatenated (``[1, N, hidden]``, N = Σ B_g·T_g), the sequence mixing per group
         (:meth:`DecoderLayer.forward_groups`). ``embeds[g]``: None or ``(rows, mask)``. Returns the final hidden
@@ -242,13 +291,28 @@ class K3Model(nnx.Module):
         x = self.embed(groups.join(input_ids), flat_embeds)                         # [1, N, hidden]
         pos = tuple(c.lengths for c in caches)
         blocks: list[jax.Array] = []
-        new: list[list] = [[] for _ in caches]
-        for i, layer in enumerate(self.layers):
-            x, blocks, cs = layer.forward_groups(x, blocks, groups, tuple(c.layers[i] for c in caches), pos, n_new,
-                                                 record)
-            for g, c in enumerate(cs):
-                new[g].append(c)
-        return tuple(groups.split(self.read_out(x, blocks))), tuple(tuple(n) for n in new)
+        per_layer: list[tuple] = []                     # per layer: the groups' new layer caches
+        plan = self.scan_plan if scan_layers else None
+
+        def one(layer, x, blocks, index, cs):
+            x, blocks, cs, _ = layer.stream(x, blocks, functools.partial(layer.attend_groups, groups, cs, pos, n_new,
+                                                                        record), index=index)
+            return x, blocks, cs, None
+
+        i = 0
+        while i < len(self.layers):
+            if plan is not None and i == plan.start:      # the periodic run: one scan body (k3jax.nn.scan)
+                run = [tuple(c.layers[k] for c in caches) for k in range(plan.start, plan.stop)]
+                x, blocks, _, cs = run_scanned(self.layers, plan, self.block_size, x, blocks, one, caches=run)
+                per_layer += cs
+                i = plan.stop
+                continue
+            x, blocks, cs = self.layers[i].forward_groups(x, blocks, groups, tuple(c.layers[i] for c in caches),
+                                                          pos, n_new, record)
+            per_layer.append(cs)
+            i += 1
+        new = tuple(tuple(cs[g] for cs in per_layer) for g in range(len(caches)))
+        return tuple(groups.split(self.read_out(x, blocks))), new
 
 
 class K3ForCausalLM(nnx.Module):
@@ -268,7 +332,7 @@ class K3ForCausalLM(nnx.Module):
                  ep: ExpertParallel | None = None, router_scores: bool = False,
                  kda_record: bool = False, cp: ContextParallel | None = None,
                  embeds: tuple[jax.Array, jax.Array] | None = None,
-                 remat: str | RematPolicy | None = None) -> CausalLMOutput:
+                 remat: str | RematPolicy | None = None, scan_layers: bool = False) -> CausalLMOutput:
         """Logits ``[B, T, vocab]`` and per-MoE-layer expert token counts.
 
         * ``cache=None``: whole sequences (training, one-shot scoring); ``segment_ids [B, T]`` marks packed
@@ -289,6 +353,10 @@ class K3ForCausalLM(nnx.Module):
           ``mask`` (image features at ``<|media_pad|>`` positions; :mod:`k3jax.vision`).
         * ``remat`` (without a cache): what each layer keeps for the backward, by name (:mod:`k3jax.nn.remat`:
           ``none`` | ``attnres`` | ``minimal`` | ``offload`` | ``full``); the forward's values do not change.
+        * ``scan_layers`` (without a cache): the model's periodic run of layers (:mod:`k3jax.nn.scan`,
+          ``self.model.scan_plan``) as one ``lax.scan`` body — compiled once instead of once per layer; the values
+          equal the unrolled model's to fp32 rounding. With a cache the run's layer caches are stacked per
+          period position inside the program (prefill, decode, verification alike).
         """
         remat = remat_policy(remat)
         input_ids = jnp.asarray(input_ids)
@@ -310,7 +378,8 @@ class K3ForCausalLM(nnx.Module):
                                  f"{input_ids.shape}, got {rows.shape} and {mask.shape}")
         h, layers, stats = self.model(input_ids, cache=cache, n_new=n_new, segment_ids=segment_ids, embeds=embeds,
                                       kda_kernel=kda_kernel, moe_grouped=moe_grouped, ep=ep,
-                                      router_scores=router_scores, kda_record=kda_record, cp=cp, remat=remat)
+                                      router_scores=router_scores, kda_record=kda_record, cp=cp, remat=remat,
+                                      scan_layers=scan_layers)
         E = self.config.num_experts or 0
         counts = jnp.stack([s.counts for s in stats]) if stats else jnp.zeros((0, E), jnp.int32)
         scores = tuple(s.scores for s in stats) if router_scores else None
@@ -319,7 +388,8 @@ class K3ForCausalLM(nnx.Module):
         return CausalLMOutput(self.head(h), counts, new_cache, scores)
 
     def forward_groups(self, input_ids: tuple, caches: tuple, n_new: tuple, *, embeds: tuple | None = None,
-                       kda_record: tuple | None = None) -> tuple[tuple[jax.Array, ...], tuple[Cache, ...]]:
+                       kda_record: tuple | None = None, scan_layers: bool = False
+                       ) -> tuple[tuple[jax.Array, ...], tuple[Cache, ...]]:
         """Several row groups of different shapes in one forward (one read of every weight): group g is
         ``input_ids[g] [B_g, T_g]`` continuing ``caches[g]`` (batch B_g, e.g. a ``read_slots`` view of a slot pool)
         with ``n_new[g] [B_g]`` real tokens per row — decode rows ``[b, 1]`` beside a prefill chunk ``[1, C]``,
@@ -333,10 +403,11 @@ class K3ForCausalLM(nnx.Module):
 
         Returns ``(hidden, caches)``: the final (normed) hidden states ``[B_g, T_g, hidden]`` per group (logits:
         :meth:`head` of the rows wanted) and the per-group caches (lengths advanced by ``n_new[g]``, or pending for
-        a recording group).
+        a recording group). ``scan_layers``: the periodic run of layers as one scan body, as in :meth:`__call__`
+        (the run's layer caches stacked per period position inside the program).
         """
         input_ids, caches, n_new, embeds, record = self._check_groups(input_ids, caches, n_new, embeds, kda_record)
-        hidden, layers = self.model.forward_groups(input_ids, caches, n_new, embeds, record)
+        hidden, layers = self.model.forward_groups(input_ids, caches, n_new, embeds, record, scan_layers)
         new = tuple(Cache(ls, c.lengths) if r else c.advance(ls, n)
                     for ls, c, n, r in zip(layers, caches, n_new, record))
         return hidden, new

@@ -10,6 +10,11 @@ blocks and the partial sum, so that a layer saves what the same layer with a pla
 Each layer names four activations (:func:`jax.ad_checkpoint.checkpoint_name`), which the ``offload`` policy moves
 to host memory: ``mixer_in`` (the normed read entering KDA/MLA), ``mixer_out`` (its output), ``ffn_in`` (the
 normed read entering the MLP/MoE) and ``ffn_out``.
+
+In a scanned run of layers (``scan_layers=True``, :mod:`k3jax.nn.scan`) the AttnRes blocks sealed so far are the
+scan's carry, which a plain scan keeps once per period. Under ``none`` that is what happens; under every other
+policy the run's backward keeps only each period's input partial sum and the run's final blocks and recomputes
+each period's forward before its VJP (inside which the layer policy applies as above).
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ from flax import nnx
 from k3jax.config import ConfigError, K3Config, resolve_config
 from k3jax.nn.model import K3ForCausalLM
 from k3jax.nn.remat import REMAT_NAMES
+from k3jax.nn.scan import scan_pays
 from k3jax.ops.balance import max_violation
 from k3jax.parallel.context import ContextParallel
 from k3jax.parallel.ep import ExpertParallel
@@ -91,6 +92,8 @@ class TrainConfig:
     ep_method: str = "moonep"                 # routed experts over the expert axis: moonep | dropless | capacity
     precision: str = "fp32"                   # "fp32" | "bf16": bf16 compute over fp32 master weights (see compute_dtypes)
     remat: str = "none"                       # what a layer keeps for the backward (k3jax.nn.remat.REMAT_NAMES)
+    scan_layers: bool | None = None           # the periodic run of layers as one lax.scan body (k3jax.nn.scan);
+                                              # None: where it pays (k3jax.nn.scan.scan_pays: K3 yes, small presets no)
 
     @classmethod
     def load(cls, path: str | Path | None = None, overrides: list[str] | None = None) -> "TrainConfig":
@@ -148,6 +151,8 @@ class TrainConfig:
         if self.ep_method not in ("moonep", "dropless", "capacity"):
             raise ConfigError(f"training config: ep_method: expected 'moonep', 'dropless' or 'capacity', got "
                               f"{self.ep_method!r}")
+        if self.scan_layers is not None and not isinstance(self.scan_layers, bool):
+            raise ConfigError(f"training config: scan_layers: expected true, false or null, got {self.scan_layers!r}")
         if self.remat not in REMAT_NAMES:
             raise ConfigError(f"training config: remat: expected one of {', '.join(REMAT_NAMES)}, got {self.remat!r}")
         if self.precision not in PRECISIONS:
@@ -234,6 +239,7 @@ def make_step(graphdef, params_template, rest_template, optimizer, c: TrainConfi
     """
     balance = BalanceConfig(c.balance, c.balance_bins, c.balance_passes, c.sign_gamma)
     compute = compute_dtypes(cfg, c.precision)
+    scan = scan_pays(cfg) if c.scan_layers is None else c.scan_layers
 
     def to_state(template, pure):
         st = jax.tree.map(lambda x: x, template)
@@ -247,7 +253,7 @@ def make_step(graphdef, params_template, rest_template, optimizer, c: TrainConfi
         if compute is not None:                   # fp32 master weights → the compute dtype (gradients come back fp32)
             params = jax.tree.map(lambda p, d: p.astype(d), params, compute)
         out = merged(params, rest)(batch["input_ids"], segment_ids=batch["segment_ids"], ep=ep, cp=cp,
-                                   router_scores=router_scores, remat=c.remat)
+                                   router_scores=router_scores, remat=c.remat, scan_layers=scan)
         return cross_entropy(out.logits, batch["targets"], batch["loss_mask"]), out
 
     def accumulated(params, rest, batch):

@@ -1,0 +1,241 @@
+"""Scanned layers: the model's repeated run of decoder layers compiled once, as a ``lax.scan`` over periods.
+
+K3 repeats one unit (KDA, KDA, KDA, gated MLA) 23 times. Unrolled, XLA compiles every layer of the training step,
+prefill and decode programs again, so compile time grows with depth (``benchmarks/depth.py``). :func:`scan_plan`
+finds the longest run of layers that repeats with a period P in structure (mixer kind, dense/MoE FFN): layers
+``start … start + P·repeats − 1``; the model runs the layers before it and after it unrolled and the run as a
+``lax.scan`` of ``repeats`` iterations whose body is P layers. For K3 (93 layers) that is P = 4 from layer 1:
+layers 1–88 become one body of four layers, and 9 layers are compiled instead of 93.
+
+The parameters stay stored per layer (the release's names, checkpoints, sharding rules and Muon's dimension
+numbers are those of the unrolled model); :func:`stack_states` stacks position p's layers' states along a new
+leading axis inside the traced program (one copy of the run's weights per call; the gradient flows back to each
+layer's own parameters). Calls with a cache (prefill, decode, verification, the grouped serving step) stack the
+run's layer caches the same way and unstack the new ones.
+
+Block AttnRes inside the run: a period need not line up with the AttnRes blocks (K3's blocks are 12 layers, its
+period 4), so whether layer i seals a block is ``i % block_size == 0`` on the traced layer index, and the blocks
+are a :class:`BlockBuffer` — those sealed before the run (a list), a static buffer for the ones sealed in it and
+their count. A read masks the buffer's unused rows out of its softmax: their weight is exactly 0, so it equals the
+unrolled read of the blocks so far (a read with every row masked is the identity on the partial sum, as at layer
+0). The buffer is part of the scan's carry, which a plain scan's backward keeps once per iteration (repeats ×
+the run's blocks, each [B, T, hidden]); under a remat policy the run's backward instead keeps each period's input
+partial sum and the final blocks once, and recomputes each period (:func:`_periods_recomputed`). Measured in
+``benchmarks/depth.py``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3jax.config import K3Config
+
+
+class ScanPlan(NamedTuple):
+    """Layers ``start … start + period·repeats − 1`` run as ``repeats`` scan iterations of ``period`` layers."""
+    start: int
+    period: int
+    repeats: int
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.period * self.repeats
+
+    def compiled_layers(self, n_layers: int) -> int:
+        """How many decoder layers the program contains: the unrolled ones and one period."""
+        return n_layers - self.period * (self.repeats - 1)
+
+
+def layer_signature(cfg: K3Config, i: int) -> tuple:
+    """What must agree for two layers to share a scan body: the mixer kind and whether the FFN is MoE."""
+    return cfg.layer_types[i], cfg.is_moe_layer(i)
+
+
+def scan_plan(cfg: K3Config) -> ScanPlan | None:
+    """The run of periodic layers that saves the most compiled layers (None when no run repeats): for each period
+    P and start s, the longest run with ``signature(i) == signature(i + P)``; fewest compiled layers wins, then the
+    longer period (fewer iterations: the carried AttnRes buffer is kept once per iteration)."""
+    L = cfg.num_hidden_layers
+    sig = [layer_signature(cfg, i) for i in range(L)]
+    best: tuple | None = None
+    for P in range(1, L // 2 + 1):
+        for s in range(0, L - 2 * P + 1):
+            m = 1
+            while s + (m + 1) * P <= L and all(sig[s + m * P + p] == sig[s + p] for p in range(P)):
+                m += 1
+            if m < 2:
+                continue
+            plan = ScanPlan(s, P, m)
+            key = (plan.compiled_layers(L), -P, s)
+            if best is None or key < best[0]:
+                best = (key, plan)
+    return None if best is None else best[1]
+
+
+def scan_pays(cfg: K3Config) -> bool:
+    """Whether scanning is the default (``TrainConfig.scan_layers`` unset): a run that leaves at most half the
+    layers to compile (K3: 9 of 93; none of the small presets)."""
+    plan = scan_plan(cfg)
+    return plan is not None and 2 * plan.compiled_layers(cfg.num_hidden_layers) <= cfg.num_hidden_layers
+
+
+@jax.tree_util.register_pytree_node_class
+class BlockBuffer:
+    """AttnRes blocks inside a scanned run: ``pre`` (sealed before the run, a list), ``buf [n, ...]`` (rows for
+    the blocks sealed in the run) and ``count`` (how many rows hold one)."""
+
+    def __init__(self, pre: list[jax.Array], buf: jax.Array, count: jax.Array):
+        self.pre, self.buf, self.count = list(pre), buf, count
+
+    def tree_flatten(self):
+        return (self.pre, self.buf, self.count), None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children)
+
+    def __bool__(self) -> bool:      # a read always runs (masked rows make it the identity when there are none)
+        return True
+
+    def candidates(self) -> tuple[list[jax.Array], jax.Array]:
+        """Every block row (the unused ones too) and which rows are blocks: ``[K]`` bool."""
+        n = self.buf.shape[0]
+        rows = list(self.pre) + [self.buf[r] for r in range(n)]
+        valid = jnp.concatenate([jnp.ones((len(self.pre),), bool), jnp.arange(n) < self.count])
+        return rows, valid
+
+    def seal(self, p: jax.Array, sealed: jax.Array) -> "BlockBuffer":
+        """``p`` appended as the next block where ``sealed`` (a traced bool), else unchanged."""
+        i = jnp.minimum(self.count, self.buf.shape[0] - 1)
+        row = jnp.where(sealed, p.astype(self.buf.dtype), self.buf[i])
+        return BlockBuffer(self.pre, jax.lax.dynamic_update_index_in_dim(self.buf, row, i, 0),
+                           self.count + sealed.astype(self.count.dtype))
+
+    def blocks(self) -> list[jax.Array]:
+        """After the run: every block as a list (all rows are sealed by then)."""
+        return list(self.pre) + [self.buf[r] for r in range(self.buf.shape[0])]
+
+
+def seals_in(cfg: K3Config, plan: ScanPlan) -> int:
+    """How many AttnRes blocks the run's layers seal."""
+    bs = cfg.attn_res_block_size
+    return sum(1 for i in range(plan.start, plan.stop) if i % bs == 0)
+
+
+def stack_states(layers, plan: ScanPlan) -> tuple[list, list]:
+    """Per period position p: the graph of the run's first layer at p and the states of layers ``start + j·P + p``
+    stacked along a new leading axis ``[repeats, ...]``."""
+    graphs, stacked = [], []
+    for p in range(plan.period):
+        parts = [nnx.split(layers[plan.start + j * plan.period + p]) for j in range(plan.repeats)]
+        graphs.append(parts[0][0])
+        stacked.append(jax.tree.map(lambda *a: jnp.stack(a), *[s for _, s in parts]))
+    return graphs, stacked
+
+
+def run_scanned(layers, plan: ScanPlan, block_size: int | None, x: jax.Array, blocks: list[jax.Array], call,
+                recompute: bool = False, caches: list | None = None) -> tuple[jax.Array, list[jax.Array], list, list]:
+    """The run's layers over ``x`` (the partial sum entering layer ``start``) and ``blocks`` (sealed so far):
+    ``call(layer, x, blocks, index, cache)`` runs one layer (``index``: its traced layer number; ``cache``: its
+    layer cache or None) and returns ``(x, blocks, new cache or None, stats or None)``. ``block_size``: AttnRes's
+    (None: plain residuals). ``caches``: the run's layer caches in layer order (prefill, decode, verification),
+    stacked per period position like the parameters. ``recompute`` (with AttnRes, without caches): the backward
+    keeps only each period's input partial sum and the run's final blocks and recomputes each period's forward
+    (:func:`_periods_recomputed`) instead of keeping the carried block buffer once per period. Returns ``(x,
+    blocks, the MoE layers' stats in layer order, the new layer caches in layer order or [])``."""
+    graphs, stacked = stack_states(layers, plan)
+    P, m = plan.period, plan.repeats
+    attn_res = block_size is not None
+    seal_at = [i for i in range(plan.start, plan.stop) if attn_res and i % block_size == 0]
+    stacked_caches = None if caches is None else [
+        jax.tree.map(lambda *a: jnp.stack(a), *[caches[j * P + p] for j in range(m)]) for p in range(P)]
+
+    def period(states, cs, x, pre, buf, count, j):
+        """Period j's P layers (``cs``: their caches or None): ``-> (x, buf, count, stats, new caches)``."""
+        bb = BlockBuffer(pre, buf, count) if attn_res else pre
+        stats, new = [], []
+        for p in range(P):
+            x, bb, c, st = call(nnx.merge(graphs[p], states[p]), x, bb, plan.start + j * P + p,
+                                None if cs is None else cs[p])
+            new.append(c)
+            if st is not None:
+                stats.append(st)
+        new = None if cs is None else tuple(new)
+        return (x, bb.buf, bb.count, tuple(stats), new) if attn_res else (x, buf, count, tuple(stats), new)
+
+    buf = jnp.zeros((max(len(seal_at), 1),) + x.shape, x.dtype)
+    js = jnp.arange(m, dtype=jnp.int32)
+    new_caches = []
+    if recompute and seal_at and caches is None:
+        counts = [sum(1 for i in seal_at if i < plan.start + j * P) for j in range(m)]
+        x, buf, stats = _periods_recomputed(period, stacked, x, list(blocks), buf, js, jnp.asarray(counts, jnp.int32))
+    else:
+        def body(carry, xs):
+            x, buf, count = carry
+            x, buf, count, stats, new = period(xs[0], xs[2], x, blocks, buf, count, xs[1])
+            return (x, buf, count), (stats, new)
+
+        (x, buf, _), (stats, new) = jax.lax.scan(body, (x, buf, jnp.zeros((), jnp.int32)),
+                                                 (stacked, js, stacked_caches))
+        if caches is not None:
+            new_caches = [jax.tree.map(lambda a, j=j: a[j], new[p]) for j in range(m) for p in range(P)]
+    out = [jax.tree.map(lambda a, j=j: a[j], st) for j in range(m) for st in stats]   # layer order
+    return x, list(blocks) + [buf[r] for r in range(len(seal_at))], out, new_caches
+
+
+def _periods_recomputed(period, stacked, x, pre: list, buf, js, counts):
+    """The scan of ``period`` (from ``x``, ``pre`` blocks and an empty run buffer ``buf``) whose backward keeps,
+    per period, only the period's input partial sum ``[B, T, H]``; returns ``(x, final buffer, stats)``.
+
+    A sealed block never changes, so the buffer entering period j is the run's final buffer with the rows from
+    ``counts[j]`` (blocks sealed before period j) on zeroed. The backward walks the periods in reverse and takes
+    each period's VJP at (its partial sum, that buffer): one recomputed forward of the run, and the blocks kept
+    once instead of once per period."""
+    zero = jnp.zeros((), jnp.int32)
+
+    def forward(stacked, x, pre, buf):
+        def body(carry, xs):
+            x, buf, count = carry
+            x2, buf2, count2, stats, _ = period(xs[0], None, x, pre, buf, count, xs[1])
+            return (x2, buf2, count2), (x, stats)
+
+        (x, buf, _), (xs_in, stats) = jax.lax.scan(body, (x, buf, zero), (stacked, js))
+        return x, buf, stats, xs_in
+
+    @jax.custom_vjp
+    def run(stacked, x, pre, buf):
+        x, buf, stats, _ = forward(stacked, x, pre, buf)
+        return x, buf, stats
+
+    def fwd(stacked, x, pre, buf):
+        x, final, stats, xs_in = forward(stacked, x, pre, buf)
+        return (x, final, stats), (stacked, xs_in, pre, final)
+
+    def bwd(res, ct):
+        stacked, xs_in, pre, final = res
+        dx, dbuf, _ = ct
+        row = jnp.arange(final.shape[0]).reshape((-1,) + (1,) * (final.ndim - 1))
+
+        def step(carry, xs):
+            dx, dbuf, dpre = carry
+            states, x_j, j = xs
+            count = counts[j]
+
+            def f(states, x, pre, buf):
+                x, buf, _, _, _ = period(states, None, x, pre, buf, count, j)
+                return x, buf
+
+            _, vjp = jax.vjp(f, states, x_j, pre, jnp.where(row < count, final, jnp.zeros_like(final)))
+            dst, dxj, dprej, dbufj = vjp((dx, dbuf))
+            return (dxj, dbufj, [a + b for a, b in zip(dpre, dprej)]), dst
+
+        carry0 = (dx, dbuf, [jnp.zeros_like(b) for b in pre])
+        (dx0, dbuf0, dpre), dstacked = jax.lax.scan(step, carry0, (stacked, xs_in, js), reverse=True)
+        return dstacked, dx0, dpre, dbuf0
+
+    run.defvjp(fwd, bwd)
+    return run(stacked, x, pre, buf)
