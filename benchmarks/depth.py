@@ -135,7 +135,7 @@ def plot(res: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
     cr = res["compile"]
     for key, lab in (("forward_compile_s", "forward"), ("grad_compile_s", "gradient")):
         for layout, style in (("unrolled", "o-"), ("scanned", "s--")):
@@ -146,11 +146,11 @@ def plot(res: dict, path: str) -> None:
     a.set_title("compile time vs depth (test widths, K3 pattern)")
     a.legend()
     rr = res["remat"]
-    names = [(r["remat"] + ("\nscanned" if r.get("scanned") else "")) if r["model"] == "AttnRes"
-             else "plain\nresidual" for r in rr]
+    names = [(r["remat"] + (", scanned" if r.get("scanned") else "")) if r["model"] == "AttnRes"
+             else "plain residual" for r in rr]
     b.bar(range(len(rr)), [r["residual_bytes_per_layer"] / 2**10 for r in rr],
           color=["C2" if r["model"] != "AttnRes" else "C1" if r.get("scanned") else "C0" for r in rr])
-    b.set_xticks(range(len(rr)), names)
+    b.set_xticks(range(len(rr)), names, fontsize=8, rotation=45, ha="right")
     b.set_ylabel("KiB kept for the backward per layer")
     b.set_title(f"remat policies ({res['params']['remat_depth']} layers, "
                 f"{res['params']['batch']}×{res['params']['seq']} tokens)")

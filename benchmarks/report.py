@@ -550,17 +550,21 @@ def t_vision(r: dict) -> str:
 
 def t_depth(r: dict) -> str:
     p = r.get("params", {})
-    rows = [[c.get("depth"), c.get("layout"), num(c.get("forward_compile_s"), ",.1f", suffix=" s"),
+    rows = [[c.get("depth"), c.get("layout"), c.get("compiled_layers", c.get("depth")),
+             num(c.get("forward_compile_s"), ",.1f", suffix=" s"),
              num(c.get("grad_compile_s"), ",.1f", suffix=" s")] for c in r.get("compile", [])]
     out = (f"Compile time vs depth ({p.get('widths')}, {p.get('pattern')}; batch {p.get('batch')}×"
-           f"{p.get('compile_seq')}):\n\n" + table(["layers", "layout", "forward", "gradient"], rows))
-    rows = [[x.get("model"), x.get("remat"), mib(x.get("residual_bytes")),
+           f"{p.get('compile_seq')}):\n\n" + table(["layers", "layout", "layers compiled", "forward", "gradient"],
+                                                    rows))
+    rows = [[x.get("model"), "scanned" if x.get("scanned") else "unrolled", x.get("remat"),
+             mib(x.get("residual_bytes")),
              num((x.get("residual_bytes_per_layer") or 0) / 2**10, ",.1f", suffix=" KiB"), mib(x.get("temp_bytes")),
              mib(x.get("host_temp_bytes")), num(x.get("compile_s"), ",.1f", suffix=" s"), ms(x.get("step_s"))]
             for x in r.get("remat", [])]
     out += (f"\n\nRemat policies at {p.get('remat_depth')} layers, batch {p.get('batch')}×{p.get('seq')} (kept = the "
-            f"VJP's residuals without the parameters):\n\n" +
-            table(["model", "remat", "kept (MiB)", "kept / layer", "XLA temp (MiB)", "host temp (MiB)", "compile",
+            f"VJP's residuals without the parameters; scanned, they include the in-program stacked copy of the "
+            f"run's weights):\n\n" +
+            table(["model", "layout", "remat", "kept (MiB)", "kept / layer", "XLA temp (MiB)", "host temp (MiB)", "compile",
                    "step (ms)"], rows))
     return out
 

@@ -3,9 +3,11 @@
 Kernels on mesh context=4,data=2 (T = 100: 25 tokens per rank, not a multiple of the 32-token chunk; packed
 documents that start on, just after and inside a rank's conv halo; an initial state) against the token-by-token
 recurrence, the chunked kernel, the plain conv and plain MLA; the model (ep_train_model's 3 layers) on
-context=4,data=2 against one device, logits and gradients; the compiled KDA collectives at T = 4k and 32k;
+context=4,data=2 against one device, logits and gradients, and the 5-layer test preset scanned there (layers 1–2
+a lax.scan) against it unrolled on one device; the compiled KDA collectives at T = 4k and 32k;
 Per-Head Muon on fsdp=4,tensor=2 in whole-block layouts against optax's Muon on one device."""
 
+import functools
 import json
 import os
 import sys
@@ -125,13 +127,15 @@ def _kernels(cp: ContextParallel) -> dict:
     return out
 
 
-def model_check(cp: ContextParallel) -> dict:
+def model_check(cp: ContextParallel, scanned: bool = False) -> dict:
+    """``scanned``: the 5-layer test preset (layers 1–2 a scan, k3jax.nn.scan) scanned on the mesh against
+    unrolled on one device; else ep_train_model's 3 layers on both."""
     from flax import nnx
     from ep_train_model import MODEL
 
     from k3jax.train.loop import TrainConfig, model_config
 
-    cfg = model_config(TrainConfig.load(None, [m for m in MODEL]))
+    cfg = model_config(TrainConfig.load(None, ["model=test"] if scanned else [m for m in MODEL]))
     from k3jax.nn.model import K3ForCausalLM
 
     model = K3ForCausalLM(cfg, rngs=nnx.Rngs(0))
@@ -145,7 +149,8 @@ def model_check(cp: ContextParallel) -> dict:
     ep = ExpertParallel(cp.mesh)            # no expert axis: each device runs the routed experts on its own tokens
 
     def loss(p, cp=None):
-        out = nnx.merge(gd, p, rest)(ids, segment_ids=seg, cp=cp, ep=None if cp is None else ep)
+        out = nnx.merge(gd, p, rest)(ids, segment_ids=seg, cp=cp, ep=None if cp is None else ep,
+                                     scan_layers=scanned and cp is not None)
         return jnp.mean(jax.nn.log_softmax(out.logits)[..., :7]), out.logits
 
     (l1, lg1), g1 = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
@@ -228,7 +233,8 @@ if __name__ == "__main__":
 
     res, seconds = {}, {}
     for name, fn, mesh in (("kernels", kernels, "context=4,data=2"), ("hlo", hlo_bytes, "context=4"),
-                           ("model", model_check, "context=4,data=2")):
+                           ("model", model_check, "context=4,data=2"),
+                           ("scanned", functools.partial(model_check, scanned=True), "context=4,data=2")):
         t0 = time.perf_counter()
         devices = jax.devices()[:4] if mesh == "context=4" else None
         res[name] = fn(ContextParallel(make_mesh(mesh, devices)))

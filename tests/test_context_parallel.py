@@ -58,10 +58,11 @@ def test_model_on_a_context_mesh_equals_one_device(cp):
     """The 3-layer test model (KDA + dense MLP, KDA + MoE, MLA + MoE; Block AttnRes) on mesh context=4,data=2 with
     packed documents (routed experts per device on its own tokens: no expert axis): logits and every parameter's
     gradient == one device (≤ 1e-5, fp32)."""
-    d = cp["model"]
-    assert close(d["logits"], d["logit_scale"]), d
-    assert close(d["grads"], d["grad_scale"]), d
-    assert d["grad_scale"] > 1e-3
+    for key in ("model", "scanned"):     # and the 5-layer preset scanned on the mesh vs unrolled on one device
+        d = cp[key]
+        assert close(d["logits"], d["logit_scale"]), (key, d)
+        assert close(d["grads"], d["grad_scale"]), (key, d)
+        assert d["grad_scale"] > 1e-3
 
 
 @pytest.mark.slow

@@ -41,6 +41,14 @@ def parse_bytes(text: str) -> int:
         raise ValueError(f"expected bytes or a size like '512MiB', got {text!r}") from None
 
 
+def parse_switch(text: str) -> bool | None:
+    """``auto`` → None, ``on``/``true`` → True, ``off``/``false`` → False."""
+    t = str(text).lower()
+    if t not in ("auto", "on", "true", "off", "false"):
+        raise ValueError(f"expected auto, on or off, got {text!r}")
+    return None if t == "auto" else t in ("on", "true")
+
+
 def parse_ints(text: str) -> tuple[int, ...]:
     """``"1024,4096"`` → ``(1024, 4096)``."""
     try:
@@ -71,6 +79,9 @@ class EngineConfig:
                                                "first token)")
     mixed_steps: bool = option(True, "run the decoding rows and the step's prefill chunk in one forward (off: "
                                      "two forwards, each reading every weight)")
+    scan_layers: bool | None = option(None, "the model's periodic run of layers as one scan body, compiled once "
+                                            "(auto: where it leaves at most half the layers to compile, e.g. K3's 9 "
+                                            "of 93; on; off)", parse=lambda t: parse_switch(t), metavar="auto|on|off")
     max_queue: int = option(256, "waiting requests before new ones are refused (HTTP 429)")
     prefix_cache: bool = option(True, "the KDA-aware prefix cache")
     prefix_cache_memory: int | None = option(None, "bytes for KDA checkpoints and cached MLA pages together, e.g. "
@@ -146,6 +157,7 @@ _CHECKS: list[tuple[str, Callable[[Any], bool], str]] = [
     ("chunk", lambda v: _int(v) and v >= 16 and v % 16 == 0, "a multiple of 16 (KDA's tile)"),
     ("max_step_tokens", lambda v: v is None or (_int(v) and v >= 1), "an integer ≥ 1 or None"),
     ("mixed_steps", lambda v: isinstance(v, bool), "true or false"),
+    ("scan_layers", lambda v: v is None or isinstance(v, bool), "true, false or None (auto)"),
     ("max_queue", lambda v: _int(v) and v >= 0, "an integer ≥ 0"),
     ("prefix_cache", lambda v: isinstance(v, bool), "true or false"),
     ("prefix_cache_memory", lambda v: v is None or (_int(v) and v >= 0), "bytes ≥ 0 or None"),

@@ -27,6 +27,7 @@ from k3jax.infer.requests import DONE, PREFILL, RequestError, SamplingParams, ch
 from k3jax.infer.scheduler import Scheduler
 from k3jax.nn.cache import cache_bytes, init_cache
 from k3jax.nn.model import K3ForCausalLM
+from k3jax.nn.scan import scan_pays
 
 MIN_BUCKET = 256
 
@@ -54,12 +55,14 @@ class Engine:
     """Offline generation for a :class:`K3ForCausalLM` (see the module docstring). ``chunk``: the largest prefill
     chunk (default :class:`~k3jax.infer.config.EngineConfig`'s); ``max_len``: the longest prompt + generation accepted (default ``max_position_embeddings``);
     ``speculative`` / ``draft_model``: speculative decoding (:class:`~k3jax.infer.speculative.SpecConfig` or its
-    text); ``encoder``, ``pad_id``: a vision encoder for prompts with ``images``."""
+    text); ``encoder``, ``pad_id``: a vision encoder for prompts with ``images``; ``scan_layers``:
+    :attr:`EngineConfig.scan_layers <k3jax.infer.config.EngineConfig.scan_layers>`."""
 
     def __init__(self, model: K3ForCausalLM, *, chunk: int | None = None, max_len: int | None = None,
-                 speculative=None, draft_model=None, encoder=None, pad_id: int | None = None):
+                 speculative=None, draft_model=None, encoder=None, pad_id: int | None = None,
+                 scan_layers: bool | None = None):
         self.model, self.cfg = model, model.config
-        self.options = EngineConfig(prefix_cache=False, speculative=speculative,
+        self.options = EngineConfig(prefix_cache=False, speculative=speculative, scan_layers=scan_layers,
                                     **({} if chunk is None else {"chunk": int(chunk)}))
         self.chunk = self.options.chunk
         self.max_len = int(max_len or self.cfg.max_position_embeddings)
@@ -189,7 +192,8 @@ class Engine:
     # ------------------------------------------------------------------------------------------------ scoring
     def _prefill_impl(self, state, ids, cache, n_new, embeds=None, all_logits: bool = False):
         self._prefill_traces["score"] += 1                 # runs at trace time only: counts compilations
-        out = nnx.merge(self.graphdef, state)(ids, cache=cache, n_new=n_new, embeds=embeds)
+        scan = scan_pays(self.cfg) if self.options.scan_layers is None else self.options.scan_layers
+        out = nnx.merge(self.graphdef, state)(ids, cache=cache, n_new=n_new, embeds=embeds, scan_layers=scan)
         if all_logits:
             return out.logits, out.cache
         last = jnp.take_along_axis(out.logits, jnp.clip(n_new - 1, 0)[:, None, None], axis=1)[:, 0]

@@ -36,6 +36,7 @@ from k3jax.infer.sampling import sample_rows
 from k3jax.infer.speculative import emitted_tokens, row_probs, speculative_accept, token_key
 from k3jax.nn.cache import (Cache, KDACache, KDAPending, init_cache, init_paged_cache, kda_record_bytes,
                             slot_state_bytes)
+from k3jax.nn.scan import scan_pays
 
 
 def _fresh(view: Cache) -> Cache:
@@ -66,11 +67,14 @@ class ModelRunner:
     ``draft``: a draft model (its own slot cache over the target's page table); ``k``: drafts per round (0: no
     speculation); ``encoder``: a :class:`~k3jax.vision.model.VisionEncoder` for requests with images; ``mixed``:
     one forward for the rows and the chunk (False: two); ``reference``: compile the from-scratch prefill a
-    verified prefix-cache hit is compared with."""
+    verified prefix-cache hit is compared with; ``scan``: every program runs the model's periodic run of layers
+    as one scan body (:mod:`k3jax.nn.scan`; None: where :func:`~k3jax.nn.scan.scan_pays`, per model)."""
 
     def __init__(self, model, sizes: EngineSizes, *, draft=None, k: int = 0, encoder=None, pad_id: int | None = None,
-                 mixed: bool = True, reference: bool = False):
+                 mixed: bool = True, reference: bool = False, scan: bool | None = None):
         self.cfg, self.sizes, self.k, self.mixed = model.config, sizes, int(k), bool(mixed)
+        self.scan = scan_pays(self.cfg) if scan is None else bool(scan)
+        self.dscan = (scan_pays(draft.config) if scan is None else bool(scan)) if draft is not None else False
         self.graphdef, self.state = nnx.split(model)
         self.cache = init_paged_cache(self.cfg, sizes.max_slots, sizes.num_pages, sizes.page_size,
                                       sizes.max_model_len)
@@ -133,7 +137,7 @@ class ModelRunner:
             embeds.append((chunk["rows"][None], chunk["mask"][None]))
             record.append(False)
         hidden, new = model.forward_groups(tuple(ids), tuple(views), tuple(n_new), embeds=tuple(embeds),
-                                           kda_record=tuple(record))
+                                           kda_record=tuple(record), scan_layers=self.scan)
         if rows is not None:
             new_rows, dcache = self._finish_rows(model, rows, hidden[0], new[0], dcache, pending, out)
             c = c.write_slots(rows["slots"], new_rows)                # rows first: an idle row may be the chunk's
@@ -184,7 +188,7 @@ class ModelRunner:
         def step(carry, t):
             work, tok = carry
             act = (drafting & (t <= rows["n_draft"])).astype(jnp.int32)
-            o = draft(tok[:, None], cache=work, n_new=act, kda_record=True)
+            o = draft(tok[:, None], cache=work, n_new=act, kda_record=True, scan_layers=self.dscan)
             lg = o.logits[:, 0].astype(jnp.float32)
             q = row_probs(lg[:, None], temp, tk, tp)[:, 0]                               # [b, V]
             # step t drafts the row's token number ctr + 1 + t; its own stream (fold_in 2) beside the target's
@@ -204,7 +208,8 @@ class ModelRunner:
         """A prefill chunk of the draft model into its slot cache (catching up with the target)."""
         self._count("draft_prefill")
         c = Cache(dcache.layers, lengths).with_page_table(table)
-        out = nnx.merge(self.dgraph, dstate)(ids[None], cache=_fresh(c.read_slots(slot)), n_new=jnp.reshape(n, (1,)))
+        out = nnx.merge(self.dgraph, dstate)(ids[None], cache=_fresh(c.read_slots(slot)), n_new=jnp.reshape(n, (1,)),
+                                             scan_layers=self.dscan)
         return Cache(c.write_slots(slot, out.cache).layers, dcache.lengths)
 
     def _save_impl(self, cache, slot):
@@ -228,7 +233,7 @@ class ModelRunner:
         """A chunk of a from-scratch prefill into a contiguous cache (``prefix_cache_verify``'s independent path)."""
         self._count("prefix")
         out = nnx.merge(self.graphdef, state)(ids[None], cache=cache, n_new=jnp.reshape(n, (1,)),
-                                              embeds=(rows[None], mask[None]))
+                                              embeds=(rows[None], mask[None]), scan_layers=self.scan)
         return jax.lax.dynamic_index_in_dim(out.logits[0], jnp.maximum(n - 1, 0), 0, keepdims=False), out.cache
 
     # ------------------------------------------------------------------------------------------ execute

@@ -87,6 +87,7 @@ class Scheduler:
             if encoder is not None and config.vision_buckets:
                 encoder.buckets = tuple(sorted(config.vision_buckets))
             runner = ModelRunner(model, config.sizes(model.config), mixed=config.mixed_steps, encoder=encoder,
+                                 scan=config.scan_layers,
                                  pad_id=pad_id,
                                  draft=proposer.model if isinstance(proposer, DraftModel) else None,
                                  k=spec.k if spec is not None else 0, reference=config.prefix_cache_verify)
