@@ -192,6 +192,9 @@ _LONGEST_FIRST = [
     "test_prefix_cache",                                                   # 65 s: one scheduler, verify on
     "tests/test_serve_concurrency.py::test_scrapes_during_preemption_hits_speculation_and_disconnects",   # 26 s
     "test_vision",                                                         # 50 s: a multimodal checkpoint
+    "tests/test_scan.py::test_scanned_prefill_decode_verify_and_groups_equal_unrolled",   # 75 s
+    "tests/test_scan.py::test_scanned_equals_unrolled_gradients",          # 75 s
+    "tests/test_scan.py::test_engine_with_scanned_layers_decodes_like_unrolled",        # 50 s
     "test_model",                                                          # 35 s
     "test_cache",                                                          # 30 s
     "test_moonep",                                                         # 25 s: the hypothesis test most of it
