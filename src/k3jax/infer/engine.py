@@ -27,7 +27,7 @@ from k3jax.infer.requests import DONE, PREFILL, RequestError, SamplingParams, ch
 from k3jax.infer.scheduler import Scheduler
 from k3jax.nn.cache import cache_bytes, init_cache
 from k3jax.nn.model import K3ForCausalLM
-from k3jax.nn.scan import scan_pays
+from k3jax.nn.scan import use_scan
 
 MIN_BUCKET = 256
 
@@ -192,7 +192,7 @@ class Engine:
     # ------------------------------------------------------------------------------------------------ scoring
     def _prefill_impl(self, state, ids, cache, n_new, embeds=None, all_logits: bool = False):
         self._prefill_traces["score"] += 1                 # runs at trace time only: counts compilations
-        scan = scan_pays(self.cfg) if self.options.scan_layers is None else self.options.scan_layers
+        scan = use_scan(self.cfg, self.options.scan_layers)
         out = nnx.merge(self.graphdef, state)(ids, cache=cache, n_new=n_new, embeds=embeds, scan_layers=scan)
         if all_logits:
             return out.logits, out.cache

@@ -36,7 +36,7 @@ from k3jax.infer.sampling import sample_rows
 from k3jax.infer.speculative import emitted_tokens, row_probs, speculative_accept, token_key
 from k3jax.nn.cache import (Cache, KDACache, KDAPending, init_cache, init_paged_cache, kda_record_bytes,
                             slot_state_bytes)
-from k3jax.nn.scan import scan_pays
+from k3jax.nn.scan import use_scan
 
 
 def _fresh(view: Cache) -> Cache:
@@ -73,8 +73,8 @@ class ModelRunner:
     def __init__(self, model, sizes: EngineSizes, *, draft=None, k: int = 0, encoder=None, pad_id: int | None = None,
                  mixed: bool = True, reference: bool = False, scan: bool | None = None):
         self.cfg, self.sizes, self.k, self.mixed = model.config, sizes, int(k), bool(mixed)
-        self.scan = scan_pays(self.cfg) if scan is None else bool(scan)
-        self.dscan = (scan_pays(draft.config) if scan is None else bool(scan)) if draft is not None else False
+        self.scan = use_scan(self.cfg, scan)
+        self.dscan = use_scan(draft.config, scan) if draft is not None else False
         self.graphdef, self.state = nnx.split(model)
         self.cache = init_paged_cache(self.cfg, sizes.max_slots, sizes.num_pages, sizes.page_size,
                                       sizes.max_model_len)

@@ -83,6 +83,11 @@ def scan_pays(cfg: K3Config) -> bool:
     return plan is not None and 2 * plan.compiled_layers(cfg.num_hidden_layers) <= cfg.num_hidden_layers
 
 
+def use_scan(cfg: K3Config, option: bool | None) -> bool:
+    """A ``scan_layers`` option resolved for a model: as given, or :func:`scan_pays` when None."""
+    return scan_pays(cfg) if option is None else bool(option)
+
+
 @jax.tree_util.register_pytree_node_class
 class BlockBuffer:
     """AttnRes blocks inside a scanned run: ``pre`` (sealed before the run, a list), ``buf [n, ...]`` (rows for

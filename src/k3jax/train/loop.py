@@ -25,7 +25,7 @@ from flax import nnx
 from k3jax.config import ConfigError, K3Config, resolve_config
 from k3jax.nn.model import K3ForCausalLM
 from k3jax.nn.remat import REMAT_NAMES
-from k3jax.nn.scan import scan_pays
+from k3jax.nn.scan import use_scan
 from k3jax.ops.balance import max_violation
 from k3jax.parallel.context import ContextParallel
 from k3jax.parallel.ep import ExpertParallel
@@ -239,7 +239,7 @@ def make_step(graphdef, params_template, rest_template, optimizer, c: TrainConfi
     """
     balance = BalanceConfig(c.balance, c.balance_bins, c.balance_passes, c.sign_gamma)
     compute = compute_dtypes(cfg, c.precision)
-    scan = scan_pays(cfg) if c.scan_layers is None else c.scan_layers
+    scan = use_scan(cfg, c.scan_layers)
 
     def to_state(template, pure):
         st = jax.tree.map(lambda x: x, template)
