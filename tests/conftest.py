@@ -141,21 +141,18 @@ def jit_forward(model, input_ids, **kw):
 
 
 def small_train_config(out, **kw):
-    """The small training run (8 steps of 2×32 tokens) of test_train's runs and test_balance's step: the test
-    preset cut to 3 layers, one of each kind (``ep_train_model``: KDA + dense MLP, KDA + routed MoE, MLA + routed
-    MoE; AttnRes blocks of 2 still cross a block boundary), as the EP training checks train — the two layers the
-    5-layer preset repeats only added compile and tracing time to each of these runs.
+    """The small training run (8 steps of 2×32 tokens) of test_train's runs and test_balance's step: the 3-layer
+    test preset (KDA + dense MLP, KDA + routed MoE, MLA + routed MoE; AttnRes blocks of 2 cross a block boundary),
+    as the EP training checks train it.
 
     Keep them the same: the jitted step's HLO depends on the model, the optimizer (its schedule: ``steps``), the
     balancing settings and the batch shape, not on the output directory, the save/eval cadence or the initializer
     (test_train's NaN test), so these tests lower one step and one eval step, compiled once per session and then
     read from the persistent compilation cache (they run on one worker, in the xdist group ``train_step``).
-    ``model_overrides`` in ``kw`` add to the 3-layer ones."""
-    from k3jax import K3Config
+    ``model_overrides`` in ``kw`` apply to the preset."""
     from k3jax.train.loop import TrainConfig
 
-    lac = {**K3Config.from_preset("test").linear_attn_config.to_dict(), "kda_layers": [1, 2], "full_attn_layers": [3]}
-    base = {"model": "test", "model_overrides": {"num_hidden_layers": 3, "linear_attn_config": lac},
+    base = {"model": "test", "model_overrides": {},
             "out": str(out), "steps": 8, "batch_size": 2, "seq_len": 32, "corpus_bytes": 200_000,
             "eval_every": 4, "eval_batches": 1, "save_every": 3, "progress": False, "async_save": False}
     base["model_overrides"].update(kw.pop("model_overrides", {}))

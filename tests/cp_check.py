@@ -2,9 +2,9 @@
 
 Kernels on mesh context=4,data=2 (T = 100: 25 tokens per rank, not a multiple of the 32-token chunk; packed
 documents that start on, just after and inside a rank's conv halo; an initial state) against the token-by-token
-recurrence, the chunked kernel, the plain conv and plain MLA; the model (ep_train_model's 3 layers) on
-context=4,data=2 against one device, logits and gradients, and the 5-layer test preset scanned there (layers 1–2
-a lax.scan) against it unrolled on one device; the compiled KDA collectives at T = 4k and 32k;
+recurrence, the chunked kernel, the plain conv and plain MLA; the model (the 3-layer test preset) on
+context=4,data=2 against one device, logits and gradients, and its 5-layer variant scanned there (layers 1–2
+a lax.scan: small_models.scannable) against it unrolled on one device; the compiled KDA collectives at T = 4k and 32k;
 Per-Head Muon on fsdp=4,tensor=2 in whole-block layouts against optax's Muon on one device."""
 
 import functools
@@ -128,14 +128,14 @@ def _kernels(cp: ContextParallel) -> dict:
 
 
 def model_check(cp: ContextParallel, scanned: bool = False) -> dict:
-    """``scanned``: the 5-layer test preset (layers 1–2 a scan, k3jax.nn.scan) scanned on the mesh against
-    unrolled on one device; else ep_train_model's 3 layers on both."""
+    """``scanned``: the test preset's 5-layer variant (small_models.scannable: layers 1–2 a scan, k3jax.nn.scan)
+    scanned on the mesh against unrolled on one device; else the 3-layer test preset on both."""
     from flax import nnx
-    from ep_train_model import MODEL
+    from small_models import scannable
 
-    from k3jax.train.loop import TrainConfig, model_config
+    from k3jax import K3Config
 
-    cfg = model_config(TrainConfig.load(None, ["model=test"] if scanned else [m for m in MODEL]))
+    cfg = scannable() if scanned else K3Config.from_preset("test")
     from k3jax.nn.model import K3ForCausalLM
 
     model = K3ForCausalLM(cfg, rngs=nnx.Rngs(0))
@@ -184,7 +184,7 @@ def muon_check(mesh) -> dict:
     updates of the 3-layer model's parameters against optax's Muon on one device; the compiled updates'
     all-gathers (by result size) and memory analysis."""
     from flax import nnx
-    from ep_train_model import MODEL
+    from small_models import MODEL
 
     from k3jax.nn.model import K3ForCausalLM
     from k3jax.parallel.hlo import collectives

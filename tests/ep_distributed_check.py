@@ -1,5 +1,5 @@
 """One of two processes × 4 CPU devices (jax.distributed on localhost): the first ``stop`` steps of the 20-step
-``ep_train_check`` run (its model, :data:`ep_train_model.MODEL`) on mesh context=2,data=2,expert=2; process 0 prints the
+``ep_train_check`` run (its model, :data:`small_models.MODEL`) on mesh context=2,data=2,expert=2; process 0 prints the
 losses."""
 
 import json
@@ -16,7 +16,7 @@ from k3jax.parallel.mesh import init_distributed  # noqa: E402
 
 init_distributed(f"127.0.0.1:{port}", 2, pid)
 jax.config.update("jax_default_matmul_precision", "highest")
-from ep_train_model import MODEL  # noqa: E402  (beside this script: on sys.path)
+from small_models import MODEL  # noqa: E402  (beside this script: on sys.path)
 from rich.console import Console  # noqa: E402
 
 from k3jax.train.loop import TrainConfig, train  # noqa: E402

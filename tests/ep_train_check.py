@@ -2,7 +2,7 @@
 data parallelism) vs one device; prints the losses. With a second argument also fsdp=2,expert=2,tensor=2 (weights
 sharded by their metadata, Per-Head Muon in whole-block layouts).
 
-The model is :data:`ep_train_model.MODEL` (the test preset cut to 3 layers, every layer kind kept)."""
+The model is :data:`small_models.MODEL` (the test preset: 3 layers, every layer kind)."""
 
 import json
 import logging
@@ -13,7 +13,7 @@ import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import jax  # noqa: E402
-from ep_train_model import MODEL  # noqa: E402  (beside this script: on sys.path)
+from small_models import MODEL  # noqa: E402  (beside this script: on sys.path)
 
 from k3jax.train.loop import TrainConfig, train  # noqa: E402
 

@@ -125,7 +125,7 @@ def test_every_variable_has_logical_axes_and_the_labels_are_right(cfg, model):
     names = {a for ax in axes.values() for a in ax if a}
     assert {"experts", "heads", "embed", "vocab", "mlp", "latent"} <= names <= set(LOGICAL_TO_MESH) | {
         "q_lora", "kv_lora", "gate_rank", "router"}
-    kda, mla, moe = "model.layers.1.self_attn", "model.layers.3.self_attn", "model.layers.1.block_sparse_moe"
+    kda, mla, moe = "model.layers.1.self_attn", "model.layers.2.self_attn", "model.layers.1.block_sparse_moe"
     assert axes[f"{kda}.dt_bias"] == ("heads", None)                    # [heads, head_dim], not a matrix
     assert axes[f"{kda}.f_b_proj.kernel"] == ("gate_rank", "heads", None)
     assert axes[f"{mla}.kv_b_proj.kernel"] == ("kv_lora", "heads", None)

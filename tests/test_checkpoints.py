@@ -87,7 +87,7 @@ def test_mxfp4_reexport_is_byte_identical(pair, tmp_path):
     k3jax.save_pretrained(model, tmp_path / "re", shard_size="100KB")
     src, out = tensors_of(mx_dir), tensors_of(tmp_path / "re")
     mx_keys = [k for k in src if k.endswith(("weight_packed", "weight_scale"))]
-    assert len(mx_keys) == 4 * 8 * 3 * 2
+    assert len(mx_keys) == len(model.config.moe_layers) * 8 * 3 * 2      # MoE layers × experts × w1/w2/w3 × 2
     for k in mx_keys:
         assert out[k].dtype == np.uint8 and out[k].tobytes() == src[k].tobytes(), k
     for k in src:                                   # everything else keeps its values (A_log re-padded)

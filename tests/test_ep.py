@@ -156,7 +156,7 @@ def train_results():
 @pytest.mark.slow
 @pytest.mark.xdist_group("ep_train")          # shares train_results with the two-process test: one worker, one run
 def test_training_on_expert_and_context_parallel_meshes_follows_one_device(train_results):
-    """10 steps of ``train`` (the test preset cut to 3 layers, one of each kind: ep_train_model) on mesh
+    """10 steps of ``train`` (the test preset: 3 layers, one of each kind) on mesh
     context=2,data=2,expert=2 (sequences split along time: KDA by affine state summaries, MLA by gathering the
     latent; MoonEP over the expert axis; data parallelism), and 6 on fsdp=2,expert=2,tensor=2 (weights sharded by
     their logical-axes metadata, Per-Head Muon in whole-head/whole-expert layouts), vs the same run on one device."""

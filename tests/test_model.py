@@ -15,6 +15,7 @@ from k3jax.params import parameter_table
 from make_k3_fixture import write_random_k3_checkpoint
 from reference_k3_numpy import forward as reference_forward
 from reference_k3_numpy import load_release_checkpoint
+from small_models import scannable
 
 
 def test_k3_parameter_counts_from_eval_shape():
@@ -35,7 +36,7 @@ def test_k3_parameter_counts_from_eval_shape():
 @pytest.fixture(scope="module")
 def k3_fixture(tmp_path_factory):
     d = tmp_path_factory.mktemp("k3")
-    text = K3Config.from_preset("test").to_dict()
+    text = scannable().to_dict()           # 5 layers: the scanned model (layers 1–2 a scan) is checked too
     write_random_k3_checkpoint(d, text, seed=0)
     ids = np.random.default_rng(0).integers(0, text["vocab_size"], size=(2, 40))
     tc, tensors = load_release_checkpoint(d)
@@ -47,7 +48,7 @@ def test_k3_forward_matches_numpy_reference_float64(k3_fixture, x64):
     d, ids, ref = k3_fixture
     model = k3jax.load_pretrained(d, dtype="float64")
     ids = jnp.asarray(ids, jnp.int32)
-    # scan_layers: the test preset's layers 1 and 2 (KDA + MoE, layer 2 sealing an AttnRes block) as a scan
+    # scan_layers: layers 1 and 2 (KDA + MoE, layer 2 sealing an AttnRes block) as a scan
     assert model.model.scan_plan == (1, 1, 2)
     for kw in ({}, {"kda_kernel": "recurrent", "moe_grouped": False}, {"scan_layers": True}):
         out = np.asarray(jit_forward(model, ids, **kw).logits)

@@ -1,8 +1,6 @@
 """Rematerialization by name (k3jax.nn.remat): every policy gives ``none``'s loss and gradients, each keeps what it
 says for the backward (residuals listed by ``jax.ad_checkpoint.saved_residuals``), bad names are named errors."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,11 +17,9 @@ B, T = 2, 32
 
 
 def small_config(**kw) -> K3Config:
-    """The test preset cut to 3 layers — KDA with a dense FFN (layer 0, sealing block 0), KDA + MoE, MLA + MoE
-    (sealing block 1, left partial) — AttnRes blocks of 2."""
-    cfg = K3Config.from_preset("test")
-    lac = dataclasses.replace(cfg.linear_attn_config, kda_layers=[1, 2], full_attn_layers=[3])
-    return cfg.replace(num_hidden_layers=3, linear_attn_config=lac, **kw)
+    """The test preset — KDA with a dense FFN (layer 0, sealing block 0), KDA + MoE, MLA + MoE (sealing block 1,
+    left partial) — AttnRes blocks of 2."""
+    return K3Config.from_preset("test").replace(**kw)
 
 
 def model_and_loss(cfg: K3Config):

@@ -155,10 +155,12 @@ def test_scanned_prefill_decode_verify_and_groups_equal_unrolled(x64):
 
 def test_engine_with_scanned_layers_decodes_like_unrolled():
     """``Engine(scan_layers=True)`` (the serving runner's programs — mixed step, scoring — scanned): the test
-    preset's layers 1–2 as a scan; greedy tokens and their logits equal the unrolled engine's (fp32 rounding)."""
+    preset's 5-layer variant, layers 1–2 as a scan; greedy tokens and their logits equal the unrolled engine's
+    (fp32 rounding)."""
     from k3jax.infer.engine import Engine
+    from small_models import scannable
 
-    cfg = K3Config.from_preset("test")
+    cfg = scannable()
     m = K3ForCausalLM(cfg, rngs=nnx.Rngs(0))
     prompts = [[1, 5, 9, 14, 2, 7], [3, 3, 8]]
     res = {}

@@ -28,11 +28,11 @@ def test_muon_partition_and_per_head_dims():
     adam = set(part["adamw"])
     for name in ("model.embed_tokens", "lm_head.kernel", "model.norm.weight", "model.layers.1.self_attn.A_log",
                  "model.layers.1.self_attn.dt_bias", "model.layers.1.self_attn.q_conv1d", "model.layers.1.mlp_res.proj",
-                 "model.layers.1.self_attn.o_norm", "model.layers.3.self_attn.q_a_layernorm.weight"):
+                 "model.layers.1.self_attn.o_norm", "model.layers.2.self_attn.q_a_layernorm.weight"):
         assert name in adam, name
     muon = set(part["muon"])
     for name in ("model.layers.1.self_attn.q_proj.kernel", "model.layers.1.self_attn.o_proj.kernel",
-                 "model.layers.3.self_attn.kv_b_proj.kernel", "model.layers.1.block_sparse_moe.experts.w1",
+                 "model.layers.2.self_attn.kv_b_proj.kernel", "model.layers.1.block_sparse_moe.experts.w1",
                  "model.layers.0.mlp.gate_proj.kernel", "model.layers.1.block_sparse_moe.gate.kernel"):
         assert name in muon, name
     q = params["model"]["layers"][1]["self_attn"]["q_proj"]["kernel"]
@@ -40,7 +40,7 @@ def test_muon_partition_and_per_head_dims():
     layers = model.model.layers
     d = muon_dims(layers[1].self_attn.q_proj.kernel)
     assert (d.reduction_axis, d.output_axis) == (0, 2)                     # heads (axis 1) are a batch axis
-    d = muon_dims(layers[3].self_attn.o_proj.kernel)                       # [heads, head_dim, out]
+    d = muon_dims(layers[2].self_attn.o_proj.kernel)                       # [heads, head_dim, out]
     assert (d.reduction_axis, d.output_axis) == (1, 2)
     d = muon_dims(layers[1].block_sparse_moe.experts.w2)
     assert (d.reduction_axis, d.output_axis) == (1, 2)                     # per expert
