@@ -215,9 +215,24 @@ class K3Model(nnx.Module):
             x = cp.constrain(x)                          # tokens stay on the rank that owns their time slice
         blocks: list[jax.Array] = []
         stats, new = [], []
-        plan = self.scan_plan if scan_layers else None
+        pipeline = kw.pop("pipeline", None)
+        plan = self.scan_plan if scan_layers or pipeline is not None else None
+        if pipeline is not None and (plan is None or cache is not None):
+            raise ValueError("pipeline: needs a model with a periodic run of layers (k3jax.nn.scan.scan_plan) and "
+                             "no cache")
         i = 0
         while i < len(self.layers):
+            if pipeline is not None and i == plan.start:  # the periodic run over the stage axis
+                from k3jax.parallel.pipeline import run_pipelined
+
+                rows = {k: kw[k] for k in ("segment_ids",) if kw.get(k) is not None}    # split per micro-batch
+                x, blocks, sts = run_pipelined(
+                    self.layers, plan, self.block_size, x, blocks,
+                    lambda r: functools.partial(self._one, policy, {**kw, **r}, None, None), pipeline, rows)
+                stats += sts
+                new += [None] * (plan.stop - i)
+                i = plan.stop
+                continue
             if plan is not None and i == plan.start:      # the periodic run: one scan body (k3jax.nn.scan)
                 x, blocks, sts, cs = run_scanned(
                     self.layers, plan, self.block_size, x, blocks, functools.partial(self._one, policy, kw, cache,
@@ -332,7 +347,8 @@ class K3ForCausalLM(nnx.Module):
                  ep: ExpertParallel | None = None, router_scores: bool = False,
                  kda_record: bool = False, cp: ContextParallel | None = None,
                  embeds: tuple[jax.Array, jax.Array] | None = None,
-                 remat: str | RematPolicy | None = None, scan_layers: bool = False) -> CausalLMOutput:
+                 remat: str | RematPolicy | None = None, scan_layers: bool = False,
+                 pipeline=None) -> CausalLMOutput:
         """Logits ``[B, T, vocab]`` and per-MoE-layer expert token counts.
 
         * ``cache=None``: whole sequences (training, one-shot scoring); ``segment_ids [B, T]`` marks packed
@@ -357,6 +373,8 @@ class K3ForCausalLM(nnx.Module):
           ``self.model.scan_plan``) as one ``lax.scan`` body — compiled once instead of once per layer; the values
           equal the unrolled model's to fp32 rounding. With a cache the run's layer caches are stacked per
           period position inside the program (prefill, decode, verification alike).
+        * ``pipeline`` (a :class:`k3jax.parallel.pipeline.PipelineConfig`, without a cache): the periodic run split
+          into stages over the mesh's ``stage`` axis, micro-batches in a GPipe schedule.
         """
         remat = remat_policy(remat)
         input_ids = jnp.asarray(input_ids)
@@ -379,7 +397,7 @@ class K3ForCausalLM(nnx.Module):
         h, layers, stats = self.model(input_ids, cache=cache, n_new=n_new, segment_ids=segment_ids, embeds=embeds,
                                       kda_kernel=kda_kernel, moe_grouped=moe_grouped, ep=ep,
                                       router_scores=router_scores, kda_record=kda_record, cp=cp, remat=remat,
-                                      scan_layers=scan_layers)
+                                      scan_layers=scan_layers, **({} if pipeline is None else {"pipeline": pipeline}))
         E = self.config.num_experts or 0
         counts = jnp.stack([s.counts for s in stats]) if stats else jnp.zeros((0, E), jnp.int32)
         scores = tuple(s.scores for s in stats) if router_scores else None

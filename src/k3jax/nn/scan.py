@@ -91,13 +91,15 @@ def use_scan(cfg: K3Config, option: bool | None) -> bool:
 @jax.tree_util.register_pytree_node_class
 class BlockBuffer:
     """AttnRes blocks inside a scanned run: ``pre`` (sealed before the run, a list), ``buf [n, ...]`` (rows for
-    the blocks sealed in the run) and ``count`` (how many rows hold one)."""
+    the blocks sealed in the run) and ``count`` (how many rows hold one). ``pre_valid [len(pre)]`` (bool, optional):
+    which of ``pre`` are blocks — a pipeline stage (:mod:`k3jax.parallel.pipeline`) receives a static number of
+    rows from the stages before it, of which only those stages' sealed blocks count."""
 
-    def __init__(self, pre: list[jax.Array], buf: jax.Array, count: jax.Array):
-        self.pre, self.buf, self.count = list(pre), buf, count
+    def __init__(self, pre: list[jax.Array], buf: jax.Array, count: jax.Array, pre_valid: jax.Array | None = None):
+        self.pre, self.buf, self.count, self.pre_valid = list(pre), buf, count, pre_valid
 
     def tree_flatten(self):
-        return (self.pre, self.buf, self.count), None
+        return (self.pre, self.buf, self.count, self.pre_valid), None
 
     @classmethod
     def tree_unflatten(cls, aux, children):
@@ -110,15 +112,15 @@ class BlockBuffer:
         """Every block row (the unused ones too) and which rows are blocks: ``[K]`` bool."""
         n = self.buf.shape[0]
         rows = list(self.pre) + [self.buf[r] for r in range(n)]
-        valid = jnp.concatenate([jnp.ones((len(self.pre),), bool), jnp.arange(n) < self.count])
-        return rows, valid
+        pre = jnp.ones((len(self.pre),), bool) if self.pre_valid is None else self.pre_valid
+        return rows, jnp.concatenate([pre, jnp.arange(n) < self.count])
 
     def seal(self, p: jax.Array, sealed: jax.Array) -> "BlockBuffer":
         """``p`` appended as the next block where ``sealed`` (a traced bool), else unchanged."""
         i = jnp.minimum(self.count, self.buf.shape[0] - 1)
         row = jnp.where(sealed, p.astype(self.buf.dtype), self.buf[i])
         return BlockBuffer(self.pre, jax.lax.dynamic_update_index_in_dim(self.buf, row, i, 0),
-                           self.count + sealed.astype(self.count.dtype))
+                           self.count + sealed.astype(self.count.dtype), self.pre_valid)
 
     def blocks(self) -> list[jax.Array]:
         """After the run: every block as a list (all rows are sealed by then)."""
@@ -142,6 +144,26 @@ def stack_states(layers, plan: ScanPlan) -> tuple[list, list]:
     return graphs, stacked
 
 
+def period_function(graphs: list, plan: ScanPlan, call):
+    """``period(states, caches, x, blocks, j) -> (x, blocks, stats, new caches)``: period ``j`` (traced) of the run
+    — its P layers from their graphs and the period's ``states`` (one per position), through ``call`` (see
+    :func:`run_scanned`); ``blocks`` a :class:`BlockBuffer` (AttnRes) or the plain-residual list; ``caches`` the
+    period's layer caches or None."""
+    P = plan.period
+
+    def period(states, cs, x, blocks, j):
+        stats, new = [], []
+        for p in range(P):
+            x, blocks, c, st = call(nnx.merge(graphs[p], states[p]), x, blocks, plan.start + j * P + p,
+                                    None if cs is None else cs[p])
+            new.append(c)
+            if st is not None:
+                stats.append(st)
+        return x, blocks, tuple(stats), None if cs is None else tuple(new)
+
+    return period
+
+
 def run_scanned(layers, plan: ScanPlan, block_size: int | None, x: jax.Array, blocks: list[jax.Array], call,
                 recompute: bool = False, caches: list | None = None) -> tuple[jax.Array, list[jax.Array], list, list]:
     """The run's layers over ``x`` (the partial sum entering layer ``start``) and ``blocks`` (sealed so far):
@@ -159,18 +181,13 @@ def run_scanned(layers, plan: ScanPlan, block_size: int | None, x: jax.Array, bl
     stacked_caches = None if caches is None else [
         jax.tree.map(lambda *a: jnp.stack(a), *[caches[j * P + p] for j in range(m)]) for p in range(P)]
 
+    run_period = period_function(graphs, plan, call)
+
     def period(states, cs, x, pre, buf, count, j):
         """Period j's P layers (``cs``: their caches or None): ``-> (x, buf, count, stats, new caches)``."""
         bb = BlockBuffer(pre, buf, count) if attn_res else pre
-        stats, new = [], []
-        for p in range(P):
-            x, bb, c, st = call(nnx.merge(graphs[p], states[p]), x, bb, plan.start + j * P + p,
-                                None if cs is None else cs[p])
-            new.append(c)
-            if st is not None:
-                stats.append(st)
-        new = None if cs is None else tuple(new)
-        return (x, bb.buf, bb.count, tuple(stats), new) if attn_res else (x, buf, count, tuple(stats), new)
+        x, bb, stats, new = run_period(states, cs, x, bb, j)
+        return (x, bb.buf, bb.count, stats, new) if attn_res else (x, buf, count, stats, new)
 
     buf = jnp.zeros((max(len(seal_at), 1),) + x.shape, x.dtype)
     js = jnp.arange(m, dtype=jnp.int32)

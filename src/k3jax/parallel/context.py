@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from k3jax.parallel.mesh import inner_mesh
 from k3jax.ops.attention import mla_attention
 from k3jax.ops.kda import causal_conv1d
 from k3jax.ops.kda_chunked import kda_chunked
@@ -143,7 +144,7 @@ def kda_context_parallel(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array,
     st = P(b, None, None, None)
     # check_vma=False: the chunked kernel's scans carry no varying-axis types. Every output is per rank (the exit
     # states come back stacked over ranks), so no replicated output's cotangent is counted C times.
-    f = jax.shard_map(local, mesh=cp.mesh, check_vma=False,
+    f = jax.shard_map(local, mesh=inner_mesh(cp.mesh), check_vma=False,
                       in_specs=(t4, t4, t4, t4, t3, None if reset is None else P(b, ax), st),
                       out_specs=(t4, P(ax, b, None, None, None)))
     o, exits = f(q, k, v, g, beta, reset, S0)
@@ -178,7 +179,7 @@ def causal_conv1d_context_parallel(x: jax.Array, weight: jax.Array, cp: ContextP
         return y
 
     b = cp.batch_axes(B)
-    f = jax.shard_map(local, mesh=cp.mesh, check_vma=False,
+    f = jax.shard_map(local, mesh=inner_mesh(cp.mesh), check_vma=False,
                       in_specs=(P(b, ax, None), P(), None if reset is None else P(b, ax)), out_specs=P(b, ax, None))
     return f(x, weight, reset)[:, :T]
 
@@ -216,7 +217,7 @@ def mla_attention_context_parallel(q_nope: jax.Array, q_rope: jax.Array, c_kv: j
     b = cp.batch_axes(B)
     t4, t3 = P(b, ax, None, None), P(b, ax, None)
     rep = jax.tree.map(lambda _: P(), expand_params)
-    f = jax.shard_map(local, mesh=cp.mesh, check_vma=False,
+    f = jax.shard_map(local, mesh=inner_mesh(cp.mesh), check_vma=False,
                       in_specs=(t4, t4, t3, t3, rep, None if segment_ids is None else P(b, ax)), out_specs=t4)
     return f(q_nope, q_rope, c_kv, k_rope, expand_params, segment_ids)[:, :T]
 

@@ -48,6 +48,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from k3jax.parallel.mesh import inner_mesh
 from k3jax.ops.grouped import ffn_layouts, grouped_ffn, grouped_ffn_backward, grouped_ffn_forward, layout_index
 from k3jax.parallel.ep_fetch import (FetchLayout, any_slots_layout, fetch_forward, fetch_layout_index, fetch_layouts,
                                     fetch_route, fetch_transpose, fetch_weights)
@@ -511,7 +512,7 @@ class ExpertParallel:
         if not axes:
             return fn(z, idx, w, w1, w3, w2, act)
         t = P(axes)
-        return jax.shard_map(lambda z, idx, w, w1, w3, w2: fn(z, idx, w, w1, w3, w2, act), mesh=self.mesh,
+        return jax.shard_map(lambda z, idx, w, w1, w3, w2: fn(z, idx, w, w1, w3, w2, act), mesh=inner_mesh(self.mesh),
                              in_specs=(t, t, t, P(), P(), P()), out_specs=t, check_vma=False)(z, idx, w, w1, w3, w2)
 
 
@@ -555,6 +556,6 @@ def moe_expert_parallel(z: jax.Array, idx: jax.Array, w: jax.Array, w1: jax.Arra
         (lambda x, s: jax.lax.with_sharding_constraint(x, jax.NamedSharding(mesh, s)))
     z, idx, w = (place(a, tok) for a in (z, idx, w))
     w1, w3, w2 = (place(a, ex) for a in (w1, w3, w2))
-    out = jax.shard_map(f, mesh=mesh, in_specs=(tok, tok, tok, ex, ex, ex), out_specs=(tok, P(tax)),
+    out = jax.shard_map(f, mesh=inner_mesh(mesh), in_specs=(tok, tok, tok, ex, ex, ex), out_specs=(tok, P(tax)),
                         check_vma=False)(z, idx, w, w1, w3, w2)
     return out if with_stats else out[0]

@@ -15,6 +15,7 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from k3jax.parallel.mesh import inner_mesh
 from k3jax.ops.kda_chunked import kda_chunked
 from k3jax.parallel.host import host_cores, host_device_flag  # noqa: F401  (re-exported: split the host)
 
@@ -55,6 +56,6 @@ def kda_chunked_over_heads(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Arra
     in_specs = (h4, h4, h4, h4, h3, None if initial_state is None else sh, None if reset is None else rep)
     # check_vma=False: the kernel's custom VJP and scans carry no varying-axis annotations, and nothing inside
     # communicates, so there is nothing for the check to find.
-    f = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=(h4, sh if output_final_state else None),
+    f = jax.shard_map(local, mesh=inner_mesh(mesh), in_specs=in_specs, out_specs=(h4, sh if output_final_state else None),
                       check_vma=False)
     return f(q, k, v, g, beta, initial_state, reset)

@@ -1,4 +1,4 @@
-"""The device mesh: named axes (data, context, fsdp, expert, tensor), built from ``"data=2,expert=4"``, and
+"""The device mesh: named axes (stage, data, context, fsdp, expert, tensor), built from ``"data=2,expert=4"``, and
 ``jax.distributed`` start-up. (The expert-parallel setting is an explicit argument: :class:`k3jax.parallel.ep.ExpertParallel`.)"""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 import jax
 from jax.sharding import AxisType, Mesh
 
-AXES = ("data", "context", "fsdp", "expert", "tensor")
+AXES = ("stage", "data", "context", "fsdp", "expert", "tensor")    # stage: pipeline stages (k3jax.parallel.pipeline)
 
 
 class MeshError(ValueError):
@@ -16,7 +16,7 @@ class MeshError(ValueError):
 
 
 def parse_mesh(spec: str | dict | None) -> dict[str, int]:
-    """``"data=2,expert=4"`` → ``{"data": 2, "context": 1, "fsdp": 1, "expert": 4, "tensor": 1}``."""
+    """``"data=2,expert=4"`` → ``{"stage": 1, "data": 2, "context": 1, "fsdp": 1, "expert": 4, "tensor": 1}``."""
     sizes = dict.fromkeys(AXES, 1)
     if not spec:
         return sizes
@@ -34,7 +34,7 @@ def parse_mesh(spec: str | dict | None) -> dict[str, int]:
 
 
 def make_mesh(spec: str | dict | None, devices=None) -> Mesh:
-    """A mesh over all (or the given) devices with the five named axes (``context`` splits sequences along time:
+    """A mesh over all (or the given) devices with the six named axes (``context`` splits sequences along time:
     :mod:`k3jax.parallel.context`); their product must equal the device count."""
     sizes = parse_mesh(spec)
     devices = list(devices if devices is not None else jax.devices())
@@ -52,3 +52,13 @@ def init_distributed(coordinator: str | None = None, num_processes: int | None =
     cross-process collectives use gloo. With no arguments JAX reads the cluster environment (SLURM, TPU pods …)."""
     jax.config.update("jax_cpu_collectives_implementation", "gloo")   # CPU devices only; GPUs/TPUs use their own
     jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
+
+
+def inner_mesh(mesh: Mesh):
+    """The mesh a ``shard_map`` over ``mesh`` must name where it is traced: inside another ``shard_map`` over some
+    of the same axes (a pipeline stage, :mod:`k3jax.parallel.pipeline`, is manual over ``stage``), JAX's context
+    mesh — the same axes with those manual — else ``mesh``."""
+    am = jax.sharding.get_abstract_mesh()
+    if not am.empty and am.axis_names == mesh.axis_names and am.axis_sizes == mesh.axis_sizes:
+        return am
+    return mesh

@@ -94,6 +94,8 @@ class TrainConfig:
     remat: str = "none"                       # what a layer keeps for the backward (k3jax.nn.remat.REMAT_NAMES)
     scan_layers: bool | None = None           # the periodic run of layers as one lax.scan body (k3jax.nn.scan);
                                               # None: where it pays (k3jax.nn.scan.scan_pays: K3 yes, small presets no)
+    pipeline_micro_batches: int = 4           # with a mesh stage axis: the GPipe schedule's micro-batches (the
+                                              # bubble is (stages − 1) / (micro-batches + stages − 1))
 
     @classmethod
     def load(cls, path: str | Path | None = None, overrides: list[str] | None = None) -> "TrainConfig":
@@ -144,7 +146,7 @@ class TrainConfig:
 
     def validate(self) -> None:
         for name in ("seq_len", "batch_size", "micro_batches", "steps", "eval_every", "save_every", "keep",
-                     "eval_batches", "balance_bins", "balance_passes"):
+                     "eval_batches", "balance_bins", "balance_passes", "pipeline_micro_batches"):
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
                 raise ConfigError(f"training config: {name}: expected a positive integer, got {v!r}")
@@ -176,6 +178,13 @@ class TrainConfig:
             if self.seq_len % sizes["context"]:
                 raise ConfigError(f"training config: seq_len={self.seq_len} does not split over context="
                                   f"{sizes['context']} (mesh {self.mesh})")
+            if sizes["stage"] > 1 and self.micro_batches > 1:
+                raise ConfigError(f"training config: micro_batches={self.micro_batches}: with pipeline stages (mesh "
+                                  f"{self.mesh}) the batch is split by pipeline_micro_batches instead")
+            if sizes["stage"] > 1 and self.batch_size % (sizes["data"] * sizes["fsdp"] * self.pipeline_micro_batches):
+                raise ConfigError(f"training config: batch_size={self.batch_size} does not split over data×fsdp="
+                                  f"{sizes['data'] * sizes['fsdp']} × pipeline_micro_batches="
+                                  f"{self.pipeline_micro_batches} (mesh {self.mesh})")
             if self.batch_size % (sizes["data"] * sizes["fsdp"] * self.micro_batches):
                 micro = f" × micro_batches={self.micro_batches}" if self.micro_batches > 1 else ""
                 raise ConfigError(f"training config: batch_size={self.batch_size} does not split over data×fsdp="
@@ -224,7 +233,7 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> jax
 
 def make_step(graphdef, params_template, rest_template, optimizer, c: TrainConfig, cfg: K3Config,
               state_shardings: tuple | None = None, ep: ExpertParallel | None = None,
-              cp: ContextParallel | None = None):
+              cp: ContextParallel | None = None, pp=None):
     """The jitted training step over (params, rest, opt_state, batch) as pure pytrees.
 
     One step: forward (routed experts over ``ep``'s mesh when given, sequences split along time over ``cp``'s
@@ -253,7 +262,8 @@ def make_step(graphdef, params_template, rest_template, optimizer, c: TrainConfi
         if compute is not None:                   # fp32 master weights → the compute dtype (gradients come back fp32)
             params = jax.tree.map(lambda p, d: p.astype(d), params, compute)
         out = merged(params, rest)(batch["input_ids"], segment_ids=batch["segment_ids"], ep=ep, cp=cp,
-                                   router_scores=router_scores, remat=c.remat, scan_layers=scan)
+                                   router_scores=router_scores, remat=c.remat, scan_layers=scan,
+                                   **({} if pp is None else {"pipeline": pp}))
         return cross_entropy(out.logits, batch["targets"], batch["loss_mask"]), out
 
     def accumulated(params, rest, batch):
@@ -322,6 +332,22 @@ class TrainSetup:
     mesh: Any
 
 
+def pipeline_for(c: TrainConfig, model: K3ForCausalLM, mesh):
+    """The pipeline of a mesh with a ``stage`` axis (:mod:`k3jax.parallel.pipeline`): the model's periodic run split
+    over the stages, ``c.pipeline_micro_batches`` micro-batches; a clear error where the model has no such run."""
+    from k3jax.parallel.pipeline import PipelineConfig, PipelineError, split_run
+
+    plan, S = model.model.scan_plan, mesh.shape["stage"]
+    if plan is None:
+        raise ConfigError(f"training config: mesh {c.mesh}: pipeline stages split the model's periodic run of "
+                          f"layers (k3jax.nn.scan.scan_plan), and {c.model} has none")
+    try:
+        split_run(plan.repeats, S)
+    except PipelineError as e:
+        raise ConfigError(f"training config: mesh {c.mesh}: {e}") from None
+    return PipelineConfig(mesh, c.pipeline_micro_batches)
+
+
 def build_training(c: TrainConfig, cfg: K3Config, devices: list | None = None) -> TrainSetup:
     """The model's initial state and the jitted steps for ``c``. On a mesh (``c.mesh``) the state is laid out by its logical axes, routed experts run over MoonEP,
     sequences split along time over the ``context`` axis, and Muon's Newton–Schulz runs in whole-head/whole-expert
@@ -331,7 +357,7 @@ def build_training(c: TrainConfig, cfg: K3Config, devices: list | None = None) -
     graphdef, params_st, rest_st = nnx.split(model, nnx.Param, ...)
     params, rest = nnx.to_pure_dict(params_st), nnx.to_pure_dict(rest_st)
     dims = muon_dims_tree(params_st)
-    mesh = ep = cp = None
+    mesh = ep = cp = pp = None
     if c.mesh:
         from k3jax.parallel.mesh import make_mesh
         from k3jax.parallel.rules import axes_tree, shard_pure
@@ -340,6 +366,8 @@ def build_training(c: TrainConfig, cfg: K3Config, devices: list | None = None) -
         params, rest = shard_pure(params, axes_tree(params_st), mesh), shard_pure(rest, axes_tree(rest_st), mesh)
         ep = ExpertParallel(mesh, c.ep_method)
         cp = ContextParallel(mesh) if mesh.shape["context"] > 1 else None
+        if mesh.shape["stage"] > 1:
+            pp = pipeline_for(c, model, mesh)
         optimizer = make_blockwise_optimizer(dims, c.steps, c.optim, muon_plans(params_st, mesh))
     else:
         optimizer = make_optimizer(dims, c.steps, c.optim)
@@ -355,7 +383,7 @@ def build_training(c: TrainConfig, cfg: K3Config, devices: list | None = None) -
 
         opt_state = replicate_unplaced(opt_state, mesh)       # optax's step counters are created off the mesh
         shardings = jax.tree.map(lambda x: x.sharding, (params, rest, opt_state))
-    step_fn, eval_fn = make_step(graphdef, params_st, rest_st, optimizer, c, cfg, shardings, ep, cp)
+    step_fn, eval_fn = make_step(graphdef, params_st, rest_st, optimizer, c, cfg, shardings, ep, cp, pp)
     return TrainSetup(graphdef, params_st, rest_st, params, rest, opt_state, step_fn, eval_fn, mesh)
 
 
