@@ -111,6 +111,9 @@ BENCHMARKS: dict[str, Bench] = {
                    "for the backward, XLA temporaries and step time per remat policy vs a plain-residual model",
                    "depth", ("--plot", "benchmarks/depth.png"),
                    ("--depths", "4", "8", "--remat-depth", "8", "--seq", "64", "--reps", "1"), isolated=True),
+    "pipeline": Bench("pipeline", "pipeline stages (test widths, K3 layer pattern, 8 simulated devices): GPipe bubble, "
+                      "AttnRes bytes between stages (incremental vs every block forwarded), step time", "pipeline",
+                      (), ("--depth", "13", "--stages", "2", "--micro", "2", "--reps", "1"), isolated=True),
     "load_rss": Bench("load_rss", "peak host RSS while loading a multi-shard MXFP4 checkpoint", "load_rss",
                       quick=("--hidden", "128", "--experts", "8", "--layers", "4", "--shard-size", "2MB")),
 }
