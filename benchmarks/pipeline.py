@@ -32,6 +32,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from benchmarks import write_result  # noqa: E402
+
 
 def _timed(fn, params, reps: int) -> tuple[float, float, str]:
     t0 = time.perf_counter()
@@ -100,12 +102,7 @@ def main(argv=None) -> dict:
            "backend": jax.default_backend(), "devices": jax.device_count(), "jax": jax.__version__,
            "python": platform.python_version()}
     res["rows"] = rows(args.depth, args.block, args.batch, args.seq, args.stages, args.micro, args.reps)
-    text = json.dumps(res, indent=1)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
-    else:
-        print(text)
+    write_result(res, args.json)
     return res
 
 
