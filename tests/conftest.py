@@ -178,7 +178,7 @@ _KEEP_TOGETHER = {"test_cache", "test_checkpoints", "test_infer", "test_kda", "t
 _LONGEST_FIRST = [
     "ep_train",                                                            # 300 s: 8-device training, 2 processes
     "context_parallel",                                                    # 180 s: 8 devices, one subprocess
-    "pipeline",                                                            # 150 s: 8 devices, float64, one subprocess
+    "pipeline",                                                            # 500 s: two 8-device subprocesses (float64 check; 3 trainings)
     "tests/test_cli.py::test_demo_trains_and_beats_unigram",               # 150 s
     "test_speculative",                                                    # 140 s: two schedulers, one a draft's
     "test_kda",                                                            # 115 s
