@@ -176,9 +176,9 @@ _KEEP_TOGETHER = {"test_cache", "test_checkpoints", "test_infer", "test_kda", "t
 # pytest_configure) and a worker takes the next unit when it has 2 tests or fewer left, so both workers end on
 # short tests at about the same time, not one of them on a long test started last.
 _LONGEST_FIRST = [
+    "pipeline",                                                            # 500 s: two 8-device subprocesses (float64 check; 3 trainings)
     "ep_train",                                                            # 300 s: 8-device training, 2 processes
     "context_parallel",                                                    # 180 s: 8 devices, one subprocess
-    "pipeline",                                                            # 500 s: two 8-device subprocesses (float64 check; 3 trainings)
     "tests/test_cli.py::test_demo_trains_and_beats_unigram",               # 150 s
     "test_speculative",                                                    # 140 s: two schedulers, one a draft's
     "test_kda",                                                            # 115 s
