@@ -35,7 +35,7 @@ from flax import nnx  # noqa: E402
 from benchmarks import write_result  # noqa: E402
 
 
-def _timed(fn, params, reps: int) -> tuple[float, float, str]:
+def _timed(fn, params, reps: int) -> tuple[float, float]:
     t0 = time.perf_counter()
     c = jax.jit(fn).lower(params).compile()
     compile_s = time.perf_counter() - t0
@@ -45,7 +45,7 @@ def _timed(fn, params, reps: int) -> tuple[float, float, str]:
         t0 = time.perf_counter()
         jax.block_until_ready(c(params))
         times.append(time.perf_counter() - t0)
-    return compile_s, statistics.median(times), c.as_text()
+    return compile_s, statistics.median(times)
 
 
 def rows(depth: int, block: int, batch: int, seq: int, stages: list[int], micros: list[int], reps: int) -> list[dict]:
@@ -63,7 +63,7 @@ def rows(depth: int, block: int, batch: int, seq: int, stages: list[int], micros
         return jnp.mean(jax.nn.log_softmax(nnx.merge(graph, p, rest)(ids, pipeline=pp).logits)[..., 0])
 
     out = []
-    c_s, t_s, _ = _timed(jax.value_and_grad(loss), params, reps)
+    c_s, t_s = _timed(jax.value_and_grad(loss), params, reps)
     out.append({"mesh": "one device", "stages": 1, "micro_batches": 1, "bubble": 0.0, "grad_compile_s": round(c_s, 2),
                 "grad_step_s": round(t_s, 4)})
     for S in stages:
@@ -80,7 +80,7 @@ def rows(depth: int, block: int, batch: int, seq: int, stages: list[int], micros
                 hlo = jax.jit(lambda p, pp=pp: loss(p, pp)).lower(params).compile().as_text()
                 row[f"permute_bytes_{sends}"] = permute_bytes(hlo)
             row["bytes_ratio_new_over_all"] = round(row["permute_bytes_new"] / row["permute_bytes_all"], 3)
-            c_s, t_s, _ = _timed(jax.value_and_grad(lambda p, pp=PipelineConfig(mesh, M): loss(p, pp)), params, reps)
+            c_s, t_s = _timed(jax.value_and_grad(lambda p, pp=PipelineConfig(mesh, M): loss(p, pp)), params, reps)
             row.update(grad_compile_s=round(c_s, 2), grad_step_s=round(t_s, 4))
             out.append(row)
             print(json.dumps(row), flush=True)

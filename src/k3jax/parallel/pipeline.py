@@ -206,7 +206,6 @@ def _stage_program(period_for, split: StageSplit, seals: tuple[int, ...], n: int
                 x_next = (x_next, jax.lax.ppermute(chain, ax, to(1)))
             return (x_next, ring, out_x, out_rows, out_stats), None
 
-        Bm = shape[0]
         rows_out = S * n
         stats0 = jax.eval_shape(lambda: stage(xm[0], [p[0] for p in pre] + [zeros_rows[0]] * ((S - 1) * n),
                                               jnp.ones((len(pre) + (S - 1) * n,), bool), 0)[2])
@@ -216,7 +215,6 @@ def _stage_program(period_for, split: StageSplit, seals: tuple[int, ...], n: int
             x0 = (x0, jnp.zeros(((S - 1) * n,) + shape, xm.dtype))
         carry = (x0, jnp.zeros((S, n) + shape, xm.dtype), jnp.zeros((M,) + shape, xm.dtype),
                  jnp.zeros((M, rows_out) + shape, xm.dtype), out_stats)
-        del Bm
         (_, _, out_x, out_rows, out_stats), _ = jax.lax.scan(tick, carry, jnp.arange(M + S - 1, dtype=jnp.int32))
         # from the last stage to every stage (the others hold zeros)
         out_x, out_rows = jax.lax.psum((out_x, out_rows), ax)
