@@ -3,9 +3,10 @@
 
 The model: the test preset's widths at 11 layers, layer 0 KDA with a dense FFN, then five (KDA, MLA) periods with
 MoE FFNs, AttnRes blocks of 3 — a period does not line up with the blocks, 5 periods over 4 stages is an uneven
-split (2, 1, 1, 1), and the last stage ends on a partial block. Loss, logits, expert counts, router scores and
-gradients on ``stage=4,data=2`` with 2 micro-batches (MoonEP inside the stages: pp_train_check's
-stage=2,expert=2,data=2 run); the bytes the compiled forward's collective-permutes move with incremental AttnRes
+split (2, 1, 1, 1), and the last stage ends on a partial block; two packed documents per row. Loss, logits,
+expert counts, router scores and gradients on ``stage=4,data=2`` and on ``stage=2,context=2,data=2`` (each stage's
+layers split along time over the context axis, documents crossing the ranks) with 2 micro-batches (MoonEP inside
+the stages: pp_train_check's stage=2,expert=2,data=2 run); the bytes the compiled forward's collective-permutes move with incremental AttnRes
 sends and with every block forwarded along the chain."""
 
 import json
@@ -18,6 +19,7 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from k3jax.nn.model import K3ForCausalLM  # noqa: E402
+from k3jax.parallel.context import ContextParallel  # noqa: E402
 from k3jax.parallel.ep import ExpertParallel  # noqa: E402
 from k3jax.parallel.mesh import make_mesh  # noqa: E402
 from k3jax.parallel.pipeline import PipelineConfig, permute_bytes  # noqa: E402
@@ -30,9 +32,10 @@ def main():
     cfg = k3_pattern(11, 3, mla=[2, 4, 6, 8, 10]).replace(dtype="float64")
     graph, params, rest = nnx.split(K3ForCausalLM(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
     ids = jax.random.randint(jax.random.key(2), (4, 16), 0, cfg.vocab_size)
+    seg = jnp.where(jnp.arange(16) < 6, 1, 2)[None].repeat(4, 0)        # documents of 6 and 10 tokens
 
-    def loss(p, pp=None, ep=None):
-        out = nnx.merge(graph, p, rest)(ids, pipeline=pp, ep=ep, router_scores=True)
+    def loss(p, pp=None, ep=None, cp=None):
+        out = nnx.merge(graph, p, rest)(ids, segment_ids=seg, pipeline=pp, ep=ep, cp=cp, router_scores=True)
         return jnp.mean(jax.nn.log_softmax(out.logits)[..., 0]), (out.logits, out.expert_counts, out.router_scores)
 
     def diff(a, b):
@@ -42,11 +45,12 @@ def main():
     (v0, aux0), g0 = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
     out = {"plan": list(K3ForCausalLM(cfg, rngs=nnx.Rngs(0)).model.scan_plan), "grad_scale": diff(g0, jax.tree.map(
         jnp.zeros_like, g0))}
-    for name, mesh_spec, use_ep in (("stage4", "stage=4,data=2", False),):
+    for name, mesh_spec in (("stage4", "stage=4,data=2"), ("stage2_context2", "stage=2,context=2,data=2")):
         mesh = make_mesh(mesh_spec)
         pp = PipelineConfig(mesh, 2)
-        ep = ExpertParallel(mesh) if use_ep else None
-        (v, aux), g = jax.jit(jax.value_and_grad(lambda p: loss(p, pp, ep), has_aux=True))(params)
+        ep = ExpertParallel(mesh) if mesh.shape["expert"] > 1 else None
+        cp = ContextParallel(mesh) if mesh.shape["context"] > 1 else None
+        (v, aux), g = jax.jit(jax.value_and_grad(lambda p: loss(p, pp, ep, cp), has_aux=True))(params)
         out[name] = {"loss": abs(float(v - v0)), "logits": diff(aux[0], aux0[0]),
                      "counts_equal": bool(jnp.all(aux[1] == aux0[1])), "scores": diff(aux[2], aux0[2]),
                      "grads": diff(g, g0)}
