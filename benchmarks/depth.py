@@ -16,8 +16,15 @@ of 12 — so depth is the only thing that grows.
   excluded), XLA's memory analysis of the compiled gradient (temporaries; host temporaries for ``offload``), the
   compile time and the median gradient step time; beside them the same model with plain residuals (no AttnRes,
   policy ``none``), and per layer (bytes / depth).
+* **Pipeline stages** (``k3jax.nn.pipeline``, on 8 host CPU devices in a subprocess: ``benchmarks.pipeline``)
+  at ``--pp-depth`` layers (AttnRes blocks of 6), per ``--pp-stages`` S × ``--pp-micro`` M on mesh
+  ``stage=S,data=8/S``: the GPipe bubble, the bytes the compiled forward's collective-permutes move across each
+  stage boundary ``s→t`` with incremental AttnRes sends (each stage sends its new blocks to the stages that read
+  them) and with every block forwarded along the chain, and the gradient step's compile and wall time beside one
+  device.
 
-JSON out (``--json``), a two-panel chart (``--plot``).
+``--sections`` picks what to measure; ``--update JSON`` re-measures those sections of an earlier record and keeps
+the rest. JSON out (``--json``), a three-panel chart (``--plot``).
 """
 
 from __future__ import annotations
@@ -25,15 +32,20 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from benchmarks import write_result
 
 
 def k3_pattern(depth: int, attn_res: bool = True, **overrides):
@@ -130,12 +142,58 @@ def remat_rows(depth: int, batch: int, seq: int, reps: int) -> list[dict]:
     return rows
 
 
+SECTIONS = ("remat", "compile", "pipeline")
+
+
+def pipeline_rows(depth: int, stages: list[int], micros: list[int], reps: int) -> dict:
+    """``benchmarks.pipeline``'s record at ``depth`` layers, run in a process of its own with 8 host devices (this
+    process's timings stay on one device)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        flags = (flags + " --xla_force_host_platform_device_count=8").strip()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "pipeline.json")
+        cmd = [sys.executable, "-m", "benchmarks.pipeline", "--depth", str(depth), "--stages", *map(str, stages),
+               "--micro", *map(str, micros), "--reps", str(reps), "--json", out]
+        subprocess.run(cmd, check=True, env={**os.environ, "XLA_FLAGS": flags})
+        with open(out) as f:
+            rec = json.load(f)
+    for r in rec["rows"]:
+        if "boundary_bytes_new" in r:
+            print(f"pipeline {r['mesh']:>15} M={r['micro_batches']} | bubble {r['bubble']:.2f} | AttnRes+x bytes "
+                  f"new {r['permute_bytes_new']:,} vs all {r['permute_bytes_all']:,} "
+                  f"({r['bytes_ratio_new_over_all']:.2f}) | grad compile {r['grad_compile_s']:.1f} s, "
+                  f"step {r['grad_step_s']:.2f} s", file=sys.stderr, flush=True)
+    return {"params": rec["params"], "devices": rec["devices"], "rows": rec["rows"]}
+
+
+def _plot_pipeline(ax, pp: dict) -> None:
+    """Bytes per stage boundary, incremental vs every block forwarded, for the widest mesh's first micro-batch
+    count."""
+    rows = [r for r in pp["rows"] if "boundary_bytes_new" in r]
+    if not rows:
+        ax.set_visible(False)
+        return
+    r = max(rows, key=lambda r: (r["stages"], -r["micro_batches"]))
+    links = sorted(set(r["boundary_bytes_new"]) | set(r["boundary_bytes_all"]))
+    xs = range(len(links))
+    ax.bar([x - 0.2 for x in xs], [r["boundary_bytes_new"].get(k, 0) / 2**10 for k in links], 0.4,
+           label="new blocks to the stages that read them")
+    ax.bar([x + 0.2 for x in xs], [r["boundary_bytes_all"].get(k, 0) / 2**10 for k in links], 0.4,
+           label="every block forwarded")
+    ax.set_xticks(list(xs), [f"stage {k}" for k in links], fontsize=8, rotation=45, ha="right")
+    ax.set_ylabel("KiB per forward (collective-permutes)")
+    ax.set_title(f"pipeline {r['mesh']}, M={r['micro_batches']}: bubble {r['bubble']:.2f}, "
+                 f"bytes {r['bytes_ratio_new_over_all']:.2f}×", fontsize=10)
+    ax.legend(fontsize=8)
+
+
 def plot(res: dict, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(18, 4.8))
     cr = res["compile"]
     for key, lab in (("forward_compile_s", "forward"), ("grad_compile_s", "gradient")):
         for layout, style in (("unrolled", "o-"), ("scanned", "s--")):
@@ -154,6 +212,10 @@ def plot(res: dict, path: str) -> None:
     b.set_ylabel("KiB kept for the backward per layer")
     b.set_title(f"remat policies ({res['params']['remat_depth']} layers, "
                 f"{res['params']['batch']}×{res['params']['seq']} tokens)")
+    if "pipeline" in res:
+        _plot_pipeline(c, res["pipeline"])
+    else:
+        c.set_visible(False)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -166,24 +228,35 @@ def main(argv=None) -> dict:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--pp-depth", type=int, default=25)
+    ap.add_argument("--pp-stages", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--pp-micro", type=int, nargs="+", default=[2, 4, 8])
+    ap.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
+                    help="what to measure (default: all)")
+    ap.add_argument("--update", default=None, metavar="JSON",
+                    help="an earlier record: the measured sections replace its own, the others are kept")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
     args = ap.parse_args(argv)
-    res = {"benchmark": "depth", "params": {"depths": args.depths, "compile_seq": args.compile_seq,
-                                            "remat_depth": args.remat_depth, "batch": args.batch, "seq": args.seq,
-                                            "reps": args.reps, "widths": "test preset", "pattern": "K3 (k3_pattern)"},
-           "backend": jax.default_backend(), "jax": jax.__version__, "python": platform.python_version()}
-    res["remat"] = remat_rows(args.remat_depth, args.batch, args.seq, args.reps)
-    res["compile"] = compile_rows(args.depths, args.batch, args.compile_seq)
+    params = {"remat": {"remat_depth": args.remat_depth, "batch": args.batch, "seq": args.seq, "reps": args.reps},
+              "compile": {"depths": args.depths, "compile_seq": args.compile_seq, "batch": args.batch}}
+    res = {"benchmark": "depth", "params": {"widths": "test preset", "pattern": "K3 (k3_pattern)"}}
+    if args.update:                          # the sections not measured now keep their figures and parameters
+        with open(args.update) as f:
+            res = json.load(f)
+    res.update(backend=jax.default_backend(), jax=jax.__version__, python=platform.python_version())
+    for sec in args.sections:
+        res["params"].update(params.get(sec, {}))
+    if "remat" in args.sections:
+        res["remat"] = remat_rows(args.remat_depth, args.batch, args.seq, args.reps)
+    if "compile" in args.sections:
+        res["compile"] = compile_rows(args.depths, args.batch, args.compile_seq)
+    if "pipeline" in args.sections:          # its parameters are in its own record
+        res["pipeline"] = pipeline_rows(args.pp_depth, args.pp_stages, args.pp_micro, args.reps)
     if args.plot:
         res["plot"] = args.plot
         plot(res, args.plot)
-    text = json.dumps(res, indent=1)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
-    else:
-        print(text)
+    write_result(res, args.json)
     return res
 
 

@@ -1,4 +1,4 @@
-"""Pipeline parallelism (k3jax.parallel.pipeline) on 8 simulated CPU devices: GPipe bubble, AttnRes bytes sent
+"""Pipeline parallelism (k3jax.nn.pipeline) on 8 simulated CPU devices: GPipe bubble, AttnRes bytes sent
 between stages (incremental vs every block forwarded), step time.
 
     .venv/bin/python -m benchmarks.pipeline [--depth 25] [--stages 2 4] [--micro 1 2 4 8] [--json out.json]
@@ -8,9 +8,9 @@ a dense FFN, (KDA, KDA, KDA, MLA) units with MoE FFNs, the last layer MLA, AttnR
 ``--batch`` × ``--seq``. Per (stages S, micro-batches M) on mesh ``stage=S,data=8/S``:
 
 * the GPipe bubble ``(S − 1) / (M + S − 1)`` (the fraction of stage-ticks without work);
-* the bytes the compiled forward's collective-permutes move over all links (:func:`permute_bytes`), with each stage
-  sending its new blocks to the stages that read them (``new``) and with every block forwarded along the chain
-  (``all``), and their ratio;
+* the bytes the compiled forward's collective-permutes move, in all and per pair of stages ``"s→t"``
+  (:func:`~k3jax.nn.pipeline.stage_links`), with each stage sending its new blocks to the stages that read
+  them (``new``) and with every block forwarded along the chain (``all``), and their ratio;
 * the gradient step's compile time and median wall time, beside the same model on one device (no pipeline). On
   simulated CPU devices the stages share the host's cores, so the times show the schedule's overhead, not a
   speed-up.
@@ -52,7 +52,7 @@ def rows(depth: int, block: int, batch: int, seq: int, stages: list[int], micros
     from benchmarks.depth import k3_pattern
     from k3jax.nn.model import K3ForCausalLM
     from k3jax.parallel.mesh import make_mesh
-    from k3jax.parallel.pipeline import PipelineConfig, bubble_fraction, permute_bytes, split_run, stage_seals
+    from k3jax.nn.pipeline import PipelineConfig, bubble_fraction, split_run, stage_links, stage_seals
 
     cfg = k3_pattern(depth).replace(attn_res_block_size=block)
     graph, params, rest = nnx.split(K3ForCausalLM(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
@@ -78,7 +78,9 @@ def rows(depth: int, block: int, batch: int, seq: int, stages: list[int], micros
             for sends in ("new", "all"):
                 pp = PipelineConfig(mesh, M, sends=sends)
                 hlo = jax.jit(lambda p, pp=pp: loss(p, pp)).lower(params).compile().as_text()
-                row[f"permute_bytes_{sends}"] = permute_bytes(hlo)
+                links = stage_links(hlo, mesh)
+                row[f"permute_bytes_{sends}"] = sum(links.values())
+                row[f"boundary_bytes_{sends}"] = links
             row["bytes_ratio_new_over_all"] = round(row["permute_bytes_new"] / row["permute_bytes_all"], 3)
             c_s, t_s = _timed(jax.value_and_grad(lambda p, pp=PipelineConfig(mesh, M): loss(p, pp)), params, reps)
             row.update(grad_compile_s=round(c_s, 2), grad_step_s=round(t_s, 4))

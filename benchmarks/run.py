@@ -108,9 +108,11 @@ BENCHMARKS: dict[str, Bench] = {
                     "vision", ("--reps", "1"), ("--sizes", "224", "--layers", "2", "--reps", "1", "--text-preset",
                                                 "tiny", "--ttft-image", "224")),
     "depth": Bench("depth", "training at K3's depth (test widths, K3 layer pattern): compile time vs depth; bytes kept "
-                   "for the backward, XLA temporaries and step time per remat policy vs a plain-residual model",
+                   "for the backward, XLA temporaries and step time per remat policy vs a plain-residual model; "
+                   "pipeline bubble and AttnRes bytes per stage boundary on 8 host devices",
                    "depth", ("--plot", "benchmarks/depth.png"),
-                   ("--depths", "4", "8", "--remat-depth", "8", "--seq", "64", "--reps", "1"), isolated=True),
+                   ("--depths", "4", "8", "--remat-depth", "8", "--seq", "64", "--reps", "1", "--pp-depth", "13",
+                    "--pp-stages", "2", "--pp-micro", "2"), isolated=True),
     "pipeline": Bench("pipeline", "pipeline stages (test widths, K3 layer pattern, 8 simulated devices): GPipe bubble, "
                       "AttnRes bytes between stages (incremental vs every block forwarded), step time", "pipeline",
                       (), ("--depth", "13", "--stages", "2", "--micro", "2", "--reps", "1"), isolated=True),

@@ -1,13 +1,13 @@
 """Under 8 simulated CPU devices: the model's periodic run pipelined over the ``stage`` axis
-(k3jax.parallel.pipeline) against the unpipelined model, in float64; prints JSON.
+(k3jax.nn.pipeline) against the unpipelined model, in float64; prints JSON.
 
 The model: the test preset's widths at 11 layers, layer 0 KDA with a dense FFN, then five (KDA, MLA) periods with
 MoE FFNs, AttnRes blocks of 3 — a period does not line up with the blocks, 5 periods over 4 stages is an uneven
 split (2, 1, 1, 1), and the last stage ends on a partial block; two packed documents per row. Loss, logits,
 expert counts, router scores and gradients on ``stage=4,data=2`` and on ``stage=2,context=2,data=2`` (each stage's
 layers split along time over the context axis, documents crossing the ranks) with 2 micro-batches (MoonEP inside
-the stages: pp_train_check's stage=2,expert=2,data=2 run); the bytes the compiled forward's collective-permutes move with incremental AttnRes
-sends and with every block forwarded along the chain."""
+the stages: pp_train_check's stage=2,expert=2,data=2 run); the bytes the compiled forward's collective-permutes
+move across each stage boundary with incremental AttnRes sends and with every block forwarded along the chain."""
 
 import json
 import os
@@ -22,7 +22,7 @@ from k3jax.nn.model import K3ForCausalLM  # noqa: E402
 from k3jax.parallel.context import ContextParallel  # noqa: E402
 from k3jax.parallel.ep import ExpertParallel  # noqa: E402
 from k3jax.parallel.mesh import make_mesh  # noqa: E402
-from k3jax.parallel.pipeline import PipelineConfig, permute_bytes  # noqa: E402
+from k3jax.nn.pipeline import PipelineConfig, stage_links  # noqa: E402
 from test_scan import k3_pattern  # noqa: E402  (beside this script: on sys.path)
 
 jax.config.update("jax_enable_x64", True)
@@ -57,7 +57,8 @@ def main():
     mesh = make_mesh("stage=4,data=2")
     for sends in ("new", "all"):
         fwd = jax.jit(lambda p, s=sends: loss(p, PipelineConfig(mesh, 2, sends=s))[0])
-        out[f"permute_bytes_{sends}"] = permute_bytes(fwd.lower(params).compile().as_text())
+        out[f"boundary_bytes_{sends}"] = stage_links(fwd.lower(params).compile().as_text(), mesh)
+        out[f"permute_bytes_{sends}"] = sum(out[f"boundary_bytes_{sends}"].values())
     print(json.dumps(out))
 
 

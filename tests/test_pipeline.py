@@ -1,15 +1,18 @@
-"""Pipeline parallelism (k3jax.parallel.pipeline): the stage split, the GPipe bubble, the blocks each stage seals,
+"""Pipeline parallelism (k3jax.nn.pipeline): the stage split, the GPipe bubble, the blocks each stage seals,
 and — on 8 host CPU devices (tests/pp_check.py) — the pipelined model equal to the unpipelined one in float64,
-with MoonEP inside the stages, and the bytes its incremental AttnRes sends save."""
+with MoonEP inside the stages, and the bytes its incremental AttnRes sends save per stage boundary."""
 
+import types
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from conftest import run_device_check
 from k3jax import K3Config
-from k3jax.parallel.mesh import MeshError, parse_mesh
-from k3jax.parallel.pipeline import PipelineError, StageSplit, bubble_fraction, split_run, stage_seals
+from k3jax.nn.pipeline import (PipelineError, StageSplit, bubble_fraction, permute_links, split_run, stage_links,
+                               stage_seals)
+from k3jax.parallel.mesh import AXES, MeshError, parse_mesh
 from k3jax.nn.scan import scan_plan
 
 CHECK = Path(__file__).with_name("pp_check.py")
@@ -33,6 +36,20 @@ def test_split_bubble_and_seals():
         parse_mesh("pipe=2")
 
 
+def test_permute_bytes_per_link_and_stage_boundary():
+    # two collective-permutes as XLA prints them (one operand by shape, one by name) on a stage=2,data=2 mesh:
+    # partitions 0, 1 are stage 0 and 2, 3 stage 1 (row-major); f32[2,8] = 64 bytes, f32[3,2,8] = 192
+    hlo = """
+  %p.1 = f32[2,8]{1,0} parameter(0)
+  %cp.1 = f32[2,8]{1,0} collective-permute(f32[2,8]{1,0} %p.1), channel_id=1, source_target_pairs={{0,2},{1,3}}
+  %f.2 = f32[3,2,8]{2,1,0} fusion(%p.1), kind=kLoop, calls=%fused
+  %cp.2 = f32[3,2,8]{2,1,0} collective-permute(%f.2), channel_id=2, source_target_pairs={{2,0},{0,2}}
+"""
+    assert permute_links(hlo) == {(0, 2): 64 + 192, (1, 3): 64, (2, 0): 192}
+    mesh = types.SimpleNamespace(devices=np.zeros((2, 2, 1, 1, 1, 1)), axis_names=AXES)
+    assert stage_links(hlo, mesh) == {"0→1": 64 + 64 + 192, "1→0": 192}
+
+
 @pytest.fixture(scope="module")
 def pp():
     return run_device_check(CHECK)
@@ -45,8 +62,8 @@ def test_pipelined_model_equals_unpipelined(pp):
     the period, a partial last block), float64, two packed documents per row, 2 micro-batches: on stage=4,data=2
     the five periods split 2, 1, 1, 1 (uneven); on stage=2,context=2,data=2 each stage's layers run context
     parallel (the second document starts on rank 0 and crosses into rank 1). Loss, logits, expert counts, router
-    scores and every gradient equal the unpipelined model's to float64 rounding (measured: logits ≤ 8.9e-16 /
-    1.3e-15, gradients ≤ 7.2e-16 / 9.6e-16 against gradients up to 0.34; MoonEP inside the stages is
+    scores and every gradient equal the unpipelined model's to float64 rounding (measured: logits ≤ 1.1e-15 /
+    1.3e-15, gradients ≤ 7.6e-16 / 9.6e-16 against gradients up to 0.34; MoonEP inside the stages is
     pp_train_check's stage=2,expert=2,data=2 run)."""
     assert pp["plan"] == [1, 2, 5] and pp["grad_scale"] > 1e-2
     for name in ("stage4", "stage2_context2"):
@@ -59,10 +76,25 @@ def test_pipelined_model_equals_unpipelined(pp):
 @pytest.mark.slow
 @pytest.mark.xdist_group("pipeline")
 def test_incremental_sends_move_fewer_bytes_than_forwarding_every_block(pp):
-    """The compiled forward on stage=4,data=2: with each stage sending its new blocks to the stages that read
-    them, the collective-permutes move fewer bytes than with every block forwarded along the chain (whose message
-    SPMD sizes for the most blocks any stage forwards). Measured: 294,912 against 393,216 bytes (−25%)."""
-    assert 0 < pp["permute_bytes_new"] < 0.8 * pp["permute_bytes_all"], pp
+    """The compiled forward on stage=4,data=2, bytes per stage boundary against the schedule's closed form. A
+    micro-batch is 2 rows, one per data rank: a row's partial sum or block is r = 16 tokens × hidden × 8 bytes per
+    device, and each stage link carries one per data rank (2). Each tick a stage sends the next one its partial
+    sum; with incremental sends it also sends every later stage s + k its ring slot of n = max seals = 1 block (the
+    five periods split 2, 1, 1, 1; blocks of 3 seal at layers 3, 6, 9: one each on stages 0, 1, 3). Forwarding
+    instead sends the next stage the (S − 1)·n blocks a stage can hold. So: new s→s+1 = 2·(1 + n)·r, s→s+k
+    (k ≥ 2) = 2·n·r; all s→s+1 = 2·(1 + 3n)·r and nothing else (measured in total: 147,456 against 196,608 bytes,
+    −25%)."""
+    from test_scan import k3_pattern
+
+    cfg = k3_pattern(11, 3, mla=[2, 4, 6, 8, 10])
+    plan = scan_plan(cfg)
+    n = max(stage_seals(plan, split_run(plan.repeats, 4), 3))
+    r = 16 * cfg.hidden_size * 8
+    assert n == 1
+    assert pp["boundary_bytes_new"] == {f"{s}→{t}": 2 * ((t == s + 1) + n) * r
+                                        for s in range(4) for t in range(s + 1, 4)}
+    assert pp["boundary_bytes_all"] == {f"{s}→{s + 1}": 2 * (1 + 3 * n) * r for s in range(3)}
+    assert pp["permute_bytes_new"] < 0.8 * pp["permute_bytes_all"]
 
 
 @pytest.mark.slow

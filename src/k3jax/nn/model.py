@@ -17,6 +17,7 @@ from k3jax.nn.kda import KDAttention
 from k3jax.nn.layers import KeyGen, Proj, RMSNorm, TokenGroups, param
 from k3jax.nn.mla import MLAttention
 from k3jax.nn.moe import MLP, MoE, RoutingStats
+from k3jax.nn.pipeline import run_pipelined
 from k3jax.nn.remat import RematPolicy, remat_policy
 from k3jax.nn.scan import BlockBuffer, run_scanned, scan_plan
 from k3jax.ops.attnres import attnres_mix
@@ -223,8 +224,6 @@ class K3Model(nnx.Module):
         i = 0
         while i < len(self.layers):
             if pipeline is not None and i == plan.start:  # the periodic run over the stage axis
-                from k3jax.parallel.pipeline import run_pipelined
-
                 rows = {k: kw[k] for k in ("segment_ids",) if kw.get(k) is not None}    # split per micro-batch
                 x, blocks, sts = run_pipelined(
                     self.layers, plan, self.block_size, x, blocks,
@@ -373,7 +372,7 @@ class K3ForCausalLM(nnx.Module):
           ``self.model.scan_plan``) as one ``lax.scan`` body — compiled once instead of once per layer; the values
           equal the unrolled model's to fp32 rounding. With a cache the run's layer caches are stacked per
           period position inside the program (prefill, decode, verification alike).
-        * ``pipeline`` (a :class:`k3jax.parallel.pipeline.PipelineConfig`, without a cache): the periodic run split
+        * ``pipeline`` (a :class:`k3jax.nn.pipeline.PipelineConfig`, without a cache): the periodic run split
           into stages over the mesh's ``stage`` axis, micro-batches in a GPipe schedule.
         """
         remat = remat_policy(remat)

@@ -92,7 +92,7 @@ def use_scan(cfg: K3Config, option: bool | None) -> bool:
 class BlockBuffer:
     """AttnRes blocks inside a scanned run: ``pre`` (sealed before the run, a list), ``buf [n, ...]`` (rows for
     the blocks sealed in the run) and ``count`` (how many rows hold one). ``pre_valid [len(pre)]`` (bool, optional):
-    which of ``pre`` are blocks — a pipeline stage (:mod:`k3jax.parallel.pipeline`) receives a static number of
+    which of ``pre`` are blocks — a pipeline stage (:mod:`k3jax.nn.pipeline`) receives a static number of
     rows from the stages before it, of which only those stages' sealed blocks count."""
 
     def __init__(self, pre: list[jax.Array], buf: jax.Array, count: jax.Array, pre_valid: jax.Array | None = None):

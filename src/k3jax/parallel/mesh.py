@@ -8,7 +8,7 @@ import math
 import jax
 from jax.sharding import AxisType, Mesh
 
-AXES = ("stage", "data", "context", "fsdp", "expert", "tensor")    # stage: pipeline stages (k3jax.parallel.pipeline)
+AXES = ("stage", "data", "context", "fsdp", "expert", "tensor")    # stage: pipeline stages (k3jax.nn.pipeline)
 
 
 class MeshError(ValueError):
@@ -56,7 +56,7 @@ def init_distributed(coordinator: str | None = None, num_processes: int | None =
 
 def inner_mesh(mesh: Mesh):
     """The mesh a ``shard_map`` over ``mesh`` must name where it is traced: inside another ``shard_map`` over some
-    of the same axes (a pipeline stage, :mod:`k3jax.parallel.pipeline`, is manual over ``stage``), JAX's context
+    of the same axes (a pipeline stage, :mod:`k3jax.nn.pipeline`, is manual over ``stage``), JAX's context
     mesh — the same axes with those manual — else ``mesh``."""
     am = jax.sharding.get_abstract_mesh()
     if not am.empty and am.axis_names == mesh.axis_names and am.axis_sizes == mesh.axis_sizes:

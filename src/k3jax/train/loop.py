@@ -333,9 +333,9 @@ class TrainSetup:
 
 
 def pipeline_for(c: TrainConfig, model: K3ForCausalLM, mesh):
-    """The pipeline of a mesh with a ``stage`` axis (:mod:`k3jax.parallel.pipeline`): the model's periodic run split
+    """The pipeline of a mesh with a ``stage`` axis (:mod:`k3jax.nn.pipeline`): the model's periodic run split
     over the stages, ``c.pipeline_micro_batches`` micro-batches; a clear error where the model has no such run."""
-    from k3jax.parallel.pipeline import PipelineConfig, PipelineError, split_run
+    from k3jax.nn.pipeline import PipelineConfig, PipelineError, split_run
 
     plan, S = model.model.scan_plan, mesh.shape["stage"]
     if plan is None:

@@ -7,7 +7,8 @@ same program over ``width = ⌈repeats / S⌉`` periods; a stage with fewer mask
 a copy of a real period's, its result is discarded: wasted work only where the split is uneven). The layers before
 and after the run (K3: the dense layer 0; the last four) run outside the pipeline, on every stage's devices.
 
-**Schedule.** GPipe: the batch's rows split into M micro-batches; at tick ``t`` stage ``s`` runs micro-batch
+**Schedule.** GPipe: the batch's rows split into M micro-batches (micro-batch m: rows m, m + M, …, so that a
+batch sharded over the data axes keeps each device's rows in every micro-batch); at tick ``t`` stage ``s`` runs micro-batch
 ``t − s``, so ``M + S − 1`` ticks run ``M`` micro-batches on each stage and the bubble — the fraction of stage-ticks
 without work — is ``(S − 1) / (M + S − 1)`` (:func:`bubble_fraction`). The backward is the forward's transpose
 (``jax.grad`` through the loop: the ppermutes reverse), with the same bubble.
@@ -24,7 +25,9 @@ the chain (each stage sends the next one what it received plus its own): the lay
 kept to measure the bytes they save (:func:`permute_bytes` on the compiled step).
 
 Composes with the other mesh axes: the pipeline is a ``shard_map`` manual over ``stage`` only, so data, fsdp,
-expert and context sharding stay XLA's (automatic) inside each stage.
+expert and context sharding stay XLA's (automatic) inside each stage; the stage program pins the micro-batch's
+rows to the data axes and its time to the context axis (:func:`_row_layout`), which the partitioner would
+otherwise leave whole on every device of a stage. Bytes per stage boundary: :func:`stage_links`.
 """
 
 from __future__ import annotations
@@ -86,7 +89,7 @@ def stage_seals(plan: ScanPlan, split: StageSplit, block_size: int | None) -> tu
 
 class PipelineConfig(NamedTuple):
     """Run the model's periodic layers as a pipeline over ``mesh``'s ``axis`` with ``micro_batches`` micro-batches
-    (the batch's rows in order); ``sends``: ``"new"`` (blocks to the stages that read them) or ``"all"``."""
+    (micro-batch m: rows m, m + M, m + 2M, …); ``sends``: ``"new"`` (blocks to the stages that read them) or ``"all"``."""
     mesh: jax.sharding.Mesh
     micro_batches: int
     axis: str = "stage"
@@ -115,14 +118,17 @@ def run_pipelined(layers, plan: ScanPlan, block_size: int | None, x: jax.Array, 
     idx = jnp.asarray([min(off + l, plan.repeats - 1) for off in split.offsets for l in range(W)])
     staged = [jax.tree.map(lambda a: a[idx].reshape((S, W) + a.shape[1:]), st) for st in stacked]
     rows = dict(rows or {})
-    mb = lambda a: a.reshape((M, B // M) + a.shape[1:])  # noqa: E731
+    # micro-batch m holds rows m, m + M, m + 2M, …: a batch sharded over the data axes keeps each device's rows
+    # on it in every micro-batch (contiguous micro-batches would put the data sharding on the micro-batch axis,
+    # which the partitioner can only undo by gathering whole micro-batches)
+    mb = lambda a: jnp.swapaxes(a.reshape((B // M, M) + a.shape[1:]), 0, 1)  # noqa: E731
     body = _stage_program(lambda r: period_function(graphs, plan, make_call(r)), split, seals, n, M, attn_res, pp)
     spec_states = jax.tree.map(lambda _: P(pp.axis), staged)
     out_x, out_rows, stats = jax.shard_map(
         body, mesh=pp.mesh, in_specs=(spec_states, P(), [P()] * len(blocks), {k: P() for k in rows}),
         out_specs=(P(), P(), P(None, pp.axis)), axis_names={pp.axis}, check_vma=False,
     )(staged, mb(x), [mb(b) for b in blocks], {k: mb(v) for k, v in rows.items()})
-    whole = lambda a: a.reshape((B,) + a.shape[2:])  # noqa: E731
+    whole = lambda a: jnp.swapaxes(a, 0, 1).reshape((B,) + a.shape[2:])  # noqa: E731
     # the last stage's rows: from stage S−1−k at k−1 (k = 1 … S−1), then its own; in layer order: stages 0 … S−1
     rows = [(S - 1 - src - 1) * n + r for src in range(S - 1) for r in range(seals[src])]
     rows += [(S - 1) * n + r for r in range(seals[S - 1])]
@@ -132,9 +138,30 @@ def run_pipelined(layers, plan: ScanPlan, block_size: int | None, x: jax.Array, 
         for l in range(split.periods[s]):
             for st in stats:
                 a = jax.tree.map(lambda v: v[:, s * W + l], st)     # [M, ...]
-                out_stats.append(type(st)(jnp.sum(a.counts, 0), None if a.scores is None else
-                                          a.scores.reshape((-1,) + a.scores.shape[2:])))
+                out_stats.append(type(st)(jnp.sum(a.counts, 0), None if a.scores is None else   # tokens in row order
+                                          whole(a.scores.reshape((M, B // M, -1) + a.scores.shape[2:]))
+                                          .reshape((-1,) + a.scores.shape[2:])))
     return whole(out_x), list(blocks) + new_blocks, out_stats
+
+
+def _row_layout(mesh: jax.sharding.Mesh, lead: int = 0):
+    """``a [lead dims…, b, T, …] -> a`` laid out with its rows over the data-like axes that divide them and time
+    over the context axis, inside the stage program (whose ``shard_map`` leaves every axis but ``stage`` to the
+    partitioner: unconstrained, it may keep a stage's micro-batch whole on every device of the stage)."""
+    from k3jax.parallel.mesh import inner_mesh
+
+    def lay(a: jax.Array) -> jax.Array:
+        b = a.shape[lead]
+        axes = tuple(ax for ax in ("data", "fsdp") if mesh.shape.get(ax, 1) > 1)
+        n = 1
+        for ax in axes:
+            n *= mesh.shape[ax]
+        rows = axes if axes and b % n == 0 else None
+        time = "context" if mesh.shape.get("context", 1) > 1 else None
+        spec = P(*([None] * lead), rows, time, *([None] * (a.ndim - lead - 2)))
+        return jax.lax.with_sharding_constraint(a, jax.NamedSharding(inner_mesh(mesh), spec))
+
+    return lay
 
 
 def _stage_program(period_for, split: StageSplit, seals: tuple[int, ...], n: int, M: int, attn_res: bool,
@@ -144,8 +171,11 @@ def _stage_program(period_for, split: StageSplit, seals: tuple[int, ...], n: int
     S, W, ax = split.stages, split.width, pp.axis
     to = lambda k: [(i, i + k) for i in range(S - k)]  # noqa: E731
 
+    lay, lay_rows = _row_layout(pp.mesh), _row_layout(pp.mesh, 1)
+
     def body(staged, xm, pre, rows):
         s = jax.lax.axis_index(ax)
+        xm, pre = lay_rows(xm), [lay_rows(p) for p in pre]
         states = jax.tree.map(lambda a: a[0], staged)                 # [W, ...] this stage's periods
         off = jnp.asarray(split.offsets, jnp.int32)[s]
         count = jnp.asarray(split.periods, jnp.int32)[s]
@@ -189,10 +219,11 @@ def _stage_program(period_for, split: StageSplit, seals: tuple[int, ...], n: int
                 x_recv, recv = x_recv
                 valid = [(s - k >= 0) & (jnp.arange(n) < seal_of[jnp.maximum(s - k, 0)]) for k in range(1, S)]
             valid = jnp.concatenate(valid) if valid else jnp.zeros((0,), bool)
-            x_in = jnp.where(s == 0, xm[mc], x_recv)
+            x_in = lay(jnp.where(s == 0, xm[mc], x_recv))
             pre_rows = [p[mc] for p in pre] + [recv[r] for r in range(recv.shape[0])]
             pre_valid = jnp.concatenate([jnp.ones((len(pre),), bool), valid])
-            x_out, own, stats = stage(x_in, pre_rows, pre_valid, mc)
+            x_out, own, stats = stage(x_in, [lay(r) for r in pre_rows], pre_valid, mc)
+            x_out, own = lay(x_out), lay_rows(own)
             ring = jax.lax.dynamic_update_index_in_dim(ring, own, t % S, 0)
             last = active & (s == S - 1)
             out_x = out_x.at[mc].set(jnp.where(last, x_out, out_x[mc]))
@@ -223,21 +254,45 @@ def _stage_program(period_for, split: StageSplit, seals: tuple[int, ...], n: int
     return body
 
 
-def permute_bytes(hlo_text: str) -> int:
-    """Bytes a compiled program's collective-permutes move over all device links, per execution of each
-    instruction (a permute inside a loop body counts once): operand bytes × source–target pairs. (Under SPMD every
-    device runs a permute with the same operand shape; the pairs say which devices send.)"""
+def permute_links(hlo_text: str) -> dict[tuple[int, int], int]:
+    """Bytes a compiled program's collective-permutes move per device link ``(source, target)`` (as the HLO's
+    ``source_target_pairs`` name them: partition ids in an SPMD program), per execution of each instruction (a permute inside a loop body counts
+    once). Under SPMD every device runs a permute with the same operand shape; the pairs say which devices send."""
     import re
 
     from k3jax.parallel.hlo import collectives
 
-    pairs = [len(re.findall(r"\d+,\d+", m.group(1)))
+    pairs = [[tuple(map(int, p)) for p in re.findall(r"(\d+),(\d+)", m.group(1))]
              for m in re.finditer(r"collective-permute(?:-start)?\(.*?source_target_pairs=(\{\{.*?\}\})", hlo_text)]
     ops = [c for c in collectives(hlo_text) if c["op"].startswith("collective-permute")]
     if len(pairs) != len(ops):
-        raise ValueError(f"permute_bytes: {len(ops)} collective-permutes but {len(pairs)} pair lists")
-    return sum(c["operand_bytes"] * n for c, n in zip(ops, pairs))
+        raise ValueError(f"permute_links: {len(ops)} collective-permutes but {len(pairs)} pair lists")
+    links: dict[tuple[int, int], int] = {}
+    for c, ps in zip(ops, pairs):
+        for link in ps:
+            links[link] = links.get(link, 0) + c["operand_bytes"]
+    return links
 
 
-__all__ = ["PipelineConfig", "PipelineError", "StageSplit", "bubble_fraction", "permute_bytes", "run_pipelined",
-           "split_run", "stage_seals"]
+def permute_bytes(hlo_text: str) -> int:
+    """Bytes a compiled program's collective-permutes move over all device links (:func:`permute_links` summed)."""
+    return sum(permute_links(hlo_text).values())
+
+
+def stage_links(hlo_text: str, mesh, axis: str = "stage") -> dict[str, int]:
+    """:func:`permute_links` summed per pair of pipeline stages, ``"s→t"``: the bytes crossing each stage boundary.
+    The pairs of an SPMD program name partitions: partition i is the mesh's i-th device in row-major order, whose
+    ``axis`` coordinate is its stage."""
+    import numpy as np
+
+    shape = np.asarray(mesh.devices).shape
+    ax = mesh.axis_names.index(axis)
+    out: dict[str, int] = {}
+    for (a, b), n in sorted(permute_links(hlo_text).items()):
+        key = f"{np.unravel_index(a, shape)[ax]}→{np.unravel_index(b, shape)[ax]}"
+        out[key] = out.get(key, 0) + n
+    return dict(sorted(out.items()))
+
+
+__all__ = ["PipelineConfig", "PipelineError", "StageSplit", "bubble_fraction", "permute_bytes", "permute_links",
+           "run_pipelined", "split_run", "stage_links", "stage_seals"]
