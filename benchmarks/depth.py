@@ -18,10 +18,10 @@ of 12 — so depth is the only thing that grows.
   policy ``none``), and per layer (bytes / depth).
 * **Pipeline stages** (``k3jax.nn.pipeline``, on 8 host CPU devices in a subprocess: ``benchmarks.pipeline``)
   at ``--pp-depth`` layers (AttnRes blocks of 6), per ``--pp-stages`` S × ``--pp-micro`` M on mesh
-  ``stage=S,data=8/S``: the GPipe bubble, the bytes the compiled forward's collective-permutes move across each
-  stage boundary ``s→t`` with incremental AttnRes sends (each stage sends its new blocks to the stages that read
-  them) and with every block forwarded along the chain, and the gradient step's compile and wall time beside one
-  device.
+  ``stage=S,data=8/S``: the GPipe bubble, the bytes the compiled forward's collective-permutes move per
+  micro-batch across each stage boundary ``s→t`` with incremental AttnRes sends (each stage sends its new blocks
+  to the stages that read them) and with every block forwarded along the chain, and the gradient step's compile
+  and wall time beside one device.
 
 ``--sections`` picks what to measure; ``--update JSON`` re-measures those sections of an earlier record and keeps
 the rest. JSON out (``--json``), a three-panel chart (``--plot``).
@@ -164,7 +164,9 @@ def pipeline_rows(depth: int, stages: list[int], micros: list[int], reps: int) -
                   f"new {r['permute_bytes_new']:,} vs all {r['permute_bytes_all']:,} "
                   f"({r['bytes_ratio_new_over_all']:.2f}) | grad compile {r['grad_compile_s']:.1f} s, "
                   f"step {r['grad_step_s']:.2f} s", file=sys.stderr, flush=True)
-    return {"params": rec["params"], "devices": rec["devices"], "rows": rec["rows"]}
+    return {"params": {k: v for k, v in rec["params"].items() if k != "json"}, "devices": rec["devices"],
+            "rows": rec["rows"], "command": " ".join(["python"] + cmd[1:-2]),
+            "recorded": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 
 
 def _plot_pipeline(ax, pp: dict) -> None:
@@ -182,10 +184,12 @@ def _plot_pipeline(ax, pp: dict) -> None:
     ax.bar([x + 0.2 for x in xs], [r["boundary_bytes_all"].get(k, 0) / 2**10 for k in links], 0.4,
            label="every block forwarded")
     ax.set_xticks(list(xs), [f"stage {k}" for k in links], fontsize=8, rotation=45, ha="right")
-    ax.set_ylabel("KiB per forward (collective-permutes)")
+    ax.set_ylabel("KiB per micro-batch tick (collective-permutes)")
     ax.set_title(f"pipeline {r['mesh']}, M={r['micro_batches']}: bubble {r['bubble']:.2f}, "
                  f"bytes {r['bytes_ratio_new_over_all']:.2f}×", fontsize=10)
-    ax.legend(fontsize=8)
+    top = max(list(r["boundary_bytes_new"].values()) + list(r["boundary_bytes_all"].values())) / 2**10
+    ax.set_ylim(0, 1.35 * top)
+    ax.legend(fontsize=8, loc="upper center")
 
 
 def plot(res: dict, path: str) -> None:

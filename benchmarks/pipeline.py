@@ -8,9 +8,9 @@ a dense FFN, (KDA, KDA, KDA, MLA) units with MoE FFNs, the last layer MLA, AttnR
 ``--batch`` × ``--seq``. Per (stages S, micro-batches M) on mesh ``stage=S,data=8/S``:
 
 * the GPipe bubble ``(S − 1) / (M + S − 1)`` (the fraction of stage-ticks without work);
-* the bytes the compiled forward's collective-permutes move, in all and per pair of stages ``"s→t"``
-  (:func:`~k3jax.nn.pipeline.stage_links`), with each stage sending its new blocks to the stages that read
-  them (``new``) and with every block forwarded along the chain (``all``), and their ratio;
+* the bytes the compiled forward's collective-permutes move per micro-batch (one schedule tick), in all and per
+  pair of stages ``"s→t"`` (:func:`~k3jax.nn.pipeline.stage_links`), with each stage sending its new blocks to the
+  stages that read them (``new``) and with every block forwarded along the chain (``all``), and their ratio;
 * the gradient step's compile time and median wall time, beside the same model on one device (no pipeline). On
   simulated CPU devices the stages share the host's cores, so the times show the schedule's overhead, not a
   speed-up.
@@ -100,7 +100,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    res = {"benchmark": "pipeline", "params": vars(args) | {"widths": "test preset", "pattern": "K3 (k3_pattern)"},
+    params = {k: v for k, v in vars(args).items() if k != "json"}
+    res = {"benchmark": "pipeline", "params": params | {"widths": "test preset", "pattern": "K3 (k3_pattern)"},
            "backend": jax.default_backend(), "devices": jax.device_count(), "jax": jax.__version__,
            "python": platform.python_version()}
     res["rows"] = rows(args.depth, args.block, args.batch, args.seq, args.stages, args.micro, args.reps)

@@ -566,7 +566,29 @@ def t_depth(r: dict) -> str:
             f"run's weights):\n\n" +
             table(["model", "layout", "remat", "kept (MiB)", "kept / layer", "XLA temp (MiB)", "host temp (MiB)", "compile",
                    "step (ms)"], rows))
+    if r.get("pipeline"):
+        out += "\n\n" + t_pipeline(r["pipeline"]) + f"\n\n(pipeline rows: `{r['pipeline'].get('command')}`)"
     return out
+
+
+def t_pipeline(r: dict) -> str:
+    p = r.get("params", {})
+
+    def links(d):
+        return ", ".join(f"{k} {v / 2**10:,.0f}" for k, v in (d or {}).items())
+
+    rows = [[x.get("mesh"), x.get("micro_batches"), "/".join(map(str, x.get("periods", []))) or "–",
+             num(x.get("bubble"), ".2f"), num(x.get("permute_bytes_new")), num(x.get("permute_bytes_all")),
+             num(x.get("bytes_ratio_new_over_all"), ".2f"), links(x.get("boundary_bytes_new")) or "–",
+             links(x.get("boundary_bytes_all")) or "–", num(x.get("grad_compile_s"), ",.1f", suffix=" s"),
+             num(x.get("grad_step_s"), ",.2f", suffix=" s")] for x in r.get("rows", [])]
+    return (f"Pipeline stages at {p.get('depth')} layers ({p.get('widths')}, {p.get('pattern')}; AttnRes blocks of "
+            f"{p.get('block')}; batch {p.get('batch')}×{p.get('seq')}; bytes the compiled forward's "
+            f"collective-permutes move per micro-batch (one tick of the schedule: the loop body's permutes once), \"new\" = each stage's new blocks to the stages that read them, \"all\" = every "
+            f"block forwarded along the chain; per boundary in KiB; simulated CPU devices share the host's cores, so "
+            f"step times show overhead, not speed-up):\n\n" +
+            table(["mesh", "micro-batches", "periods per stage", "bubble", "bytes new", "bytes all", "new/all",
+                   "per boundary, new (KiB)", "per boundary, all (KiB)", "grad compile", "grad step"], rows))
 
 
 def t_generic(r: dict) -> str:
@@ -581,7 +603,7 @@ FORMATTERS: dict[str, Callable[[dict], str]] = {
     "inference.prefill": t_prefill, "serve": t_serve, "serve_mixed": t_serve_mixed, "prefix_cache": t_prefix_cache,
     "speculative": t_speculative,
     "context_parallel": t_context_parallel, "moonep": t_moonep, "balance": t_balance, "load_rss": t_load_rss,
-    "step_profile": t_step_profile, "vision": t_vision, "depth": t_depth}
+    "step_profile": t_step_profile, "vision": t_vision, "depth": t_depth, "pipeline": t_pipeline}
 META = {"command", "module_command", "wall_seconds", "recorded", "quick", "roofline", "benchmark"}
 
 
