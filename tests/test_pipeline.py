@@ -10,7 +10,7 @@ import pytest
 
 from conftest import run_device_check
 from k3jax import K3Config
-from k3jax.nn.pipeline import (PipelineError, StageSplit, bubble_fraction, permute_links, split_run, stage_links,
+from k3jax.nn.pipeline import (PipelineError, StageSplit, bubble_fraction, describe, permute_links, split_run, stage_links,
                                stage_seals)
 from k3jax.parallel.mesh import AXES, MeshError, parse_mesh
 from k3jax.nn.scan import scan_plan
@@ -28,6 +28,9 @@ def test_split_bubble_and_seals():
     # stage 1 layers 25–48 (36, 48), stage 2 layers 49–68 (60), stage 3 layers 69–88 (72, 84)
     assert stage_seals(plan, split, 12) == (2, 2, 1, 2)
     assert stage_seals(plan, split, None) == (0, 0, 0, 0)
+    assert describe(plan, split, 8, 12, 93) == (
+        "pipeline: 4 stages, layers 1–24 | 25–48 | 49–68 | 69–88 (AttnRes blocks sealed per stage 2/2/1/2; the other "
+        "5 layers on every stage), 8 micro-batches, GPipe bubble 0.27")
     assert bubble_fraction(4, 8) == pytest.approx(3 / 11) and bubble_fraction(1, 5) == 0.0
     with pytest.raises(PipelineError, match="stage=30: the model's periodic run has 22 periods"):
         split_run(22, 30)

@@ -58,6 +58,11 @@ def test_logits_match_transformers(hf_checkpoint):
     assert err <= 1e-4 * scale, f"max |Δlogit| = {err:.3g} (logit scale {scale:.2f})"
     ref_paths = np.asarray(model(ids, kda_kernel="recurrent", moe_grouped=False).logits)
     assert np.max(np.abs(ref_paths - ref)) <= 1e-4 * scale
+    # the release checkpoint in the scanned model: layers 1–2 (KDA + MoE) as one scan body over their stacked
+    # parameters (k3jax.nn.scan)
+    assert model.model.scan_plan == (1, 1, 2)
+    scanned = np.asarray(model(ids, scan_layers=True).logits)
+    assert np.max(np.abs(scanned - ref)) <= 1e-4 * scale
 
 
 def test_prefill_and_decode_match_transformers_cache(hf_checkpoint):

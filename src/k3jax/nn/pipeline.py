@@ -87,6 +87,19 @@ def stage_seals(plan: ScanPlan, split: StageSplit, block_size: int | None) -> tu
     return tuple(out)
 
 
+def describe(plan: ScanPlan, split: StageSplit, micro_batches: int, block_size: int | None, n_layers: int) -> str:
+    """One line for a run's log: each stage's layers, the AttnRes blocks it seals, the micro-batches and bubble."""
+    spans = []
+    for off, n in zip(split.offsets, split.periods):
+        first = plan.start + off * plan.period
+        spans.append(f"{first}–{first + n * plan.period - 1}")
+    seals = "/".join(map(str, stage_seals(plan, split, block_size)))
+    outside = n_layers - (plan.stop - plan.start)
+    return (f"pipeline: {split.stages} stages, layers {' | '.join(spans)} (AttnRes blocks sealed per stage "
+            f"{seals}; the other {outside} layers on every stage), {micro_batches} micro-batches, GPipe bubble "
+            f"{bubble_fraction(split.stages, micro_batches):.2f}")
+
+
 class PipelineConfig(NamedTuple):
     """Run the model's periodic layers as a pipeline over ``mesh``'s ``axis`` with ``micro_batches`` micro-batches
     (micro-batch m: rows m, m + M, m + 2M, …); ``sends``: ``"new"`` (blocks to the stages that read them) or ``"all"``."""
@@ -294,5 +307,5 @@ def stage_links(hlo_text: str, mesh, axis: str = "stage") -> dict[str, int]:
     return dict(sorted(out.items()))
 
 
-__all__ = ["PipelineConfig", "PipelineError", "StageSplit", "bubble_fraction", "permute_bytes", "permute_links",
+__all__ = ["PipelineConfig", "PipelineError", "StageSplit", "bubble_fraction", "describe", "permute_bytes", "permute_links",
            "run_pipelined", "split_run", "stage_links", "stage_seals"]

@@ -25,7 +25,7 @@ from flax import nnx
 from k3jax.config import ConfigError, K3Config, resolve_config
 from k3jax.nn.model import K3ForCausalLM
 from k3jax.nn.remat import REMAT_NAMES
-from k3jax.nn.scan import use_scan
+from k3jax.nn.scan import scan_plan, use_scan
 from k3jax.ops.balance import max_violation
 from k3jax.parallel.context import ContextParallel
 from k3jax.parallel.ep import ExpertParallel
@@ -330,6 +330,7 @@ class TrainSetup:
     step_fn: Any
     eval_fn: Any
     mesh: Any
+    pipeline: Any = None          # the PipelineConfig on a mesh with a stage axis
 
 
 def pipeline_for(c: TrainConfig, model: K3ForCausalLM, mesh):
@@ -384,7 +385,7 @@ def build_training(c: TrainConfig, cfg: K3Config, devices: list | None = None) -
         opt_state = replicate_unplaced(opt_state, mesh)       # optax's step counters are created off the mesh
         shardings = jax.tree.map(lambda x: x.sharding, (params, rest, opt_state))
     step_fn, eval_fn = make_step(graphdef, params_st, rest_st, optimizer, c, cfg, shardings, ep, cp, pp)
-    return TrainSetup(graphdef, params_st, rest_st, params, rest, opt_state, step_fn, eval_fn, mesh)
+    return TrainSetup(graphdef, params_st, rest_st, params, rest, opt_state, step_fn, eval_fn, mesh, pp)
 
 
 # ------------------------------------------------------------------------------------------------- the loop
@@ -455,6 +456,12 @@ def train(c: TrainConfig, *, console=None, stop_after: int | None = None, on_ste
                   f"parameters; data {data.info['source']} ({data.info['files']} files, {data.info['bytes']:,} bytes, "
                   f"sha256 {data.info['sha256'][:12]}…); {data.train.rows} train / {data.val.rows} val rows of "
                   f"{c.seq_len}; balance={c.balance}; GEMM peak {peak / 1e9:.1f} GFLOP/s")
+    if setup.pipeline is not None:
+        from k3jax.nn.pipeline import describe, split_run
+
+        plan = scan_plan(cfg)
+        console.print(describe(plan, split_run(plan.repeats, mesh.shape["stage"]), c.pipeline_micro_batches,
+                               cfg.attn_res_block_size if cfg.attn_res else None, cfg.num_hidden_layers))
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
