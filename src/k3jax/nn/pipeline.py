@@ -8,9 +8,9 @@ a copy of a real period's, its result is discarded: wasted work only where the s
 and after the run (K3: the dense layer 0; the last four) run outside the pipeline, on every stage's devices.
 
 **Schedule.** GPipe: the batch's rows split into M micro-batches (micro-batch m: rows m, m + M, …, so that a
-batch sharded over the data axes keeps each device's rows in every micro-batch); at tick ``t`` stage ``s`` runs micro-batch
-``t − s``, so ``M + S − 1`` ticks run ``M`` micro-batches on each stage and the bubble — the fraction of stage-ticks
-without work — is ``(S − 1) / (M + S − 1)`` (:func:`bubble_fraction`). The backward is the forward's transpose
+batch sharded over the data axes keeps each device's rows in every micro-batch); at tick ``t`` stage ``s`` runs
+micro-batch ``t − s``, so ``M + S − 1`` ticks run ``M`` micro-batches on each stage and the bubble — the fraction
+of stage-ticks without work — is ``(S − 1) / (M + S − 1)`` (:func:`bubble_fraction`). The backward is the forward's transpose
 (``jax.grad`` through the loop: the ppermutes reverse), with the same bubble.
 
 **AttnRes across stages.** A layer reads every block sealed before it. Stage ``s`` seals ``n_s`` blocks of a
@@ -102,7 +102,8 @@ def describe(plan: ScanPlan, split: StageSplit, micro_batches: int, block_size: 
 
 class PipelineConfig(NamedTuple):
     """Run the model's periodic layers as a pipeline over ``mesh``'s ``axis`` with ``micro_batches`` micro-batches
-    (micro-batch m: rows m, m + M, m + 2M, …); ``sends``: ``"new"`` (blocks to the stages that read them) or ``"all"``."""
+    (micro-batch m: rows m, m + M, m + 2M, …); ``sends``: ``"new"`` (blocks to the stages that read them) or
+    ``"all"``."""
     mesh: jax.sharding.Mesh
     micro_batches: int
     axis: str = "stage"
@@ -162,10 +163,11 @@ def _row_layout(mesh: jax.sharding.Mesh, lead: int = 0):
     over the context axis, inside the stage program (whose ``shard_map`` leaves every axis but ``stage`` to the
     partitioner: unconstrained, it may keep a stage's micro-batch whole on every device of the stage)."""
     from k3jax.parallel.mesh import inner_mesh
+    from k3jax.parallel.rules import LOGICAL_TO_MESH
 
     def lay(a: jax.Array) -> jax.Array:
         b = a.shape[lead]
-        axes = tuple(ax for ax in ("data", "fsdp") if mesh.shape.get(ax, 1) > 1)
+        axes = tuple(ax for ax in LOGICAL_TO_MESH["batch"] if mesh.shape.get(ax, 1) > 1)
         n = 1
         for ax in axes:
             n *= mesh.shape[ax]
