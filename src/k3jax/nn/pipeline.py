@@ -91,8 +91,8 @@ def describe(plan: ScanPlan, split: StageSplit, micro_batches: int, block_size: 
     """One line for a run's log: each stage's layers, the AttnRes blocks it seals, the micro-batches and bubble."""
     spans = []
     for off, n in zip(split.offsets, split.periods):
-        first = plan.start + off * plan.period
-        spans.append(f"{first}–{first + n * plan.period - 1}")
+        first, last = plan.start + off * plan.period, plan.start + (off + n) * plan.period - 1
+        spans.append(f"{first}–{last}" if last > first else f"{first}")
     seals = "/".join(map(str, stage_seals(plan, split, block_size)))
     outside = n_layers - (plan.stop - plan.start)
     return (f"pipeline: {split.stages} stages, layers {' | '.join(spans)} (AttnRes blocks sealed per stage "

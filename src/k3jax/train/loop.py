@@ -333,6 +333,15 @@ class TrainSetup:
     pipeline: Any = None          # the PipelineConfig on a mesh with a stage axis
 
 
+def pipeline_line(pp, cfg: K3Config) -> str:
+    """The pipeline's layout for the run's log (:func:`k3jax.nn.pipeline.describe`)."""
+    from k3jax.nn.pipeline import describe, split_run
+
+    plan = scan_plan(cfg)
+    return describe(plan, split_run(plan.repeats, pp.mesh.shape[pp.axis]), pp.micro_batches,
+                    cfg.attn_res_block_size if cfg.attn_res else None, cfg.num_hidden_layers)
+
+
 def pipeline_for(c: TrainConfig, model: K3ForCausalLM, mesh):
     """The pipeline of a mesh with a ``stage`` axis (:mod:`k3jax.nn.pipeline`): the model's periodic run split
     over the stages, ``c.pipeline_micro_batches`` micro-batches; a clear error where the model has no such run."""
@@ -457,11 +466,7 @@ def train(c: TrainConfig, *, console=None, stop_after: int | None = None, on_ste
                   f"sha256 {data.info['sha256'][:12]}…); {data.train.rows} train / {data.val.rows} val rows of "
                   f"{c.seq_len}; balance={c.balance}; GEMM peak {peak / 1e9:.1f} GFLOP/s")
     if setup.pipeline is not None:
-        from k3jax.nn.pipeline import describe, split_run
-
-        plan = scan_plan(cfg)
-        console.print(describe(plan, split_run(plan.repeats, mesh.shape["stage"]), c.pipeline_micro_batches,
-                               cfg.attn_res_block_size if cfg.attn_res else None, cfg.num_hidden_layers))
+        console.print(pipeline_line(setup.pipeline, cfg))
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
