@@ -107,22 +107,28 @@ def compile_rows(depths, batch: int, seq: int) -> list[dict]:
     return rows
 
 
-def policy_row(label: str, params, loss, policy: str, depth: int, reps: int, scan: bool = False) -> dict:
-    from k3jax.nn.remat import saved_residuals
-
-    kept = sum(n for _, n in saved_residuals(lambda p: loss(p, policy, scan), params))
-    c, secs = compiled(jax.value_and_grad(lambda p: loss(p, policy, scan)), params)
-    mem = c.memory_analysis()
+def median_time(c, params, reps: int) -> float:
+    """Median wall time of ``reps`` calls of the compiled ``c(params)`` after one warm-up call."""
     jax.block_until_ready(c(params))
     times = []
     for _ in range(reps):
         t = time.perf_counter()
         jax.block_until_ready(c(params))
         times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def policy_row(label: str, params, loss, policy: str, depth: int, reps: int, scan: bool = False) -> dict:
+    from k3jax.nn.remat import saved_residuals
+
+    kept = sum(n for _, n in saved_residuals(lambda p: loss(p, policy, scan), params))
+    c, secs = compiled(jax.value_and_grad(lambda p: loss(p, policy, scan)), params)
+    mem = c.memory_analysis()
+    step_s = median_time(c, params, reps)
     row = {"model": label, "remat": policy, "scanned": scan, "residual_bytes": kept,
            "residual_bytes_per_layer": kept / depth,
            "temp_bytes": int(mem.temp_size_in_bytes), "host_temp_bytes": int(mem.host_temp_size_in_bytes),
-           "compile_s": secs, "step_s": statistics.median(times)}
+           "compile_s": secs, "step_s": step_s}
     print(f"{label:>14} {policy:>8}{' scanned' if scan else ''} | kept {kept / 2**20:8.2f} MiB "
           f"({kept / depth / 2**10:8.1f} KiB/layer) | "
           f"XLA temp {row['temp_bytes'] / 2**20:8.2f} MiB (host {row['host_temp_bytes'] / 2**20:.2f}) | "

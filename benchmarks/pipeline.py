@@ -25,8 +25,6 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import argparse  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -36,16 +34,10 @@ from benchmarks import write_result  # noqa: E402
 
 
 def _timed(fn, params, reps: int) -> tuple[float, float]:
-    t0 = time.perf_counter()
-    c = jax.jit(fn).lower(params).compile()
-    compile_s = time.perf_counter() - t0
-    jax.block_until_ready(c(params))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(c(params))
-        times.append(time.perf_counter() - t0)
-    return compile_s, statistics.median(times)
+    from benchmarks.depth import compiled, median_time
+
+    c, compile_s = compiled(fn, params)
+    return compile_s, median_time(c, params, reps)
 
 
 def rows(depth: int, block: int, batch: int, seq: int, stages: list[int], micros: list[int], reps: int) -> list[dict]:
