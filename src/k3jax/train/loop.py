@@ -451,9 +451,7 @@ def train(c: TrainConfig, *, console=None, stop_after: int | None = None, on_ste
         (params, rest, opt_state), meta = ckpt.restore(start, (params, rest, opt_state))
         log.truncate_after(start)
         console.print(f"resumed from {ckpt.dir / str(start)} (step {start}, data position {meta['data_step']})")
-    elif not c.resume:
-        log.path.unlink(missing_ok=True)
-    else:
+    else:                                              # a new run (or resume=true with nothing to resume)
         log.path.unlink(missing_ok=True)
 
     from k3jax.costs import flops_per_token
