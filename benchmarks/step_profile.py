@@ -190,7 +190,7 @@ def profile(preset: str, B: int, T: int, reps: int, grouped: str | None = None, 
 
         H = cfg.hidden_size
         x = _randn(1, (B, T, H))
-        layers = model.model.layers
+        layers = model.model.layer_views()          # the stacked run's layers as per-layer modules
         kinds = cfg.layer_types
         # embedding + head + loss
         head_p, f_head = _module_fn(model.lm_head)

@@ -199,3 +199,137 @@ def test_training_and_engine_options_take_scan_layers():
     assert not any(scan_pays(K3Config.from_preset(p)) for p in ("test", "tiny", "100m"))
     with pytest.raises(ConfigError, match="scan_layers"):
         TrainConfig.load(None, ["scan_layers=3"])
+
+
+# ------------------------------------------------------------------ stored stacked: layout, optimizer, checkpoints
+def per_layer_variables(m: K3ForCausalLM) -> dict:
+    """Every variable of ``m`` under its per-layer path (``model/layers/i/…``, as k3jax stored them before the
+    run was stacked), read through the per-layer modules ``m.layer(i)`` (their own metadata)."""
+    flat = {p: v for p, v in nnx.to_flat_state(nnx.state(m)) if p[:2] != ("model", "run")}
+    for i in range(m.config.num_hidden_layers):
+        if m.model.layers[i] is None:
+            flat.update({("model", "layers", i) + p: v for p, v in nnx.to_flat_state(nnx.state(m.layer(i)))})
+    return flat
+
+
+def test_run_is_stored_stacked_and_optimised_per_layer():
+    """The scannable model (layers 1–2 the run): stored as ``model/run/0/…`` ``[2, …]`` with the logical axis
+    ``layers`` first; ``layer(i)`` reads row i − 1; router biases read and written per MoE layer. One optimizer
+    step (Per-Head Muon + AdamW, fp32 Newton–Schulz) on the stacked parameters equals the step on the same
+    parameters held per layer with each layer's own Muon dimension numbers (Muon orthogonalises each layer's
+    matrix on its own: the stacked axis is a batch axis)."""
+    from k3jax.nn.scan import RunLayout, flat_dict, nested_dict
+    from k3jax.train.optim import OptimConfig, make_optimizer, muon_dims, muon_dims_tree
+    from small_models import scannable
+
+    cfg = scannable()
+    m = K3ForCausalLM(cfg, rngs=nnx.Rngs(0))
+    state = dict(nnx.to_flat_state(nnx.state(m)))
+    assert not any(p[:3] in (("model", "layers", 1), ("model", "layers", 2)) for p in state)
+    q = state["model", "run", 0, "self_attn", "q_proj", "kernel"]
+    assert q.shape == (2, 64, 2, 32) and q.axes == ("layers", "embed", "heads", None)
+    d = muon_dims(q)
+    assert (d.reduction_axis, d.output_axis) == (1, 3)            # layers (0) and heads (2) are batch axes
+    np.testing.assert_array_equal(np.asarray(m.layer(2).self_attn.q_proj.kernel[...]), np.asarray(q[...][1]))
+    assert m.layer(2).idx == 2 and m.layer(2).self_attn.q_proj.kernel.axes == ("embed", "heads", None)
+
+    biases = m.get_router_biases()
+    assert len(biases) == len(cfg.moe_layers) == 4
+    m.set_router_biases([b + 0.25 * (j + 1) for j, b in enumerate(biases)])
+    for j, i in enumerate(cfg.moe_layers):                          # layer i's own bias, stacked or not
+        np.testing.assert_array_equal(np.asarray(m.layer(i).block_sparse_moe.e_score_correction_bias[...]),
+                                      np.asarray(biases[j]) + 0.25 * (j + 1))
+
+    layout = RunLayout(m.model.scan_plan)
+    pl = {p: v for p, v in per_layer_variables(m).items() if isinstance(v, nnx.Param)}
+    params_pl = nested_dict({p: v[...] for p, v in pl.items()})
+    dims_pl = nested_dict({p: muon_dims(v) for p, v in pl.items()})
+    _, p_st, _ = nnx.split(m, nnx.Param, ...)
+    params = nnx.to_pure_dict(p_st)
+    assert flat_dict(params).keys() == layout.stack(flat_dict(params_pl)).keys()
+    rng = np.random.default_rng(0)
+    grads_pl = jax.tree.map(lambda a: jnp.asarray(rng.standard_normal(a.shape), a.dtype), params_pl)
+    grads = nested_dict(layout.stack(flat_dict(grads_pl)))
+    oc = OptimConfig(warmup_steps=0, schedule="constant", ns_dtype="fp32")
+    outs = []
+    for dims, p, g in ((muon_dims_tree(p_st), params, grads), (dims_pl, params_pl, grads_pl)):
+        opt = make_optimizer(dims, 10, oc)
+        outs.append(jax.jit(opt.update)(g, opt.init(p), p)[0])
+    stacked_again = layout.stack(flat_dict(outs[1]))
+    for path, u in flat_dict(outs[0]).items():
+        np.testing.assert_allclose(np.asarray(u), np.asarray(stacked_again[path]), rtol=1e-5, atol=1e-7,
+                                   err_msg="/".join(map(str, path)))
+
+
+def test_checkpoints_written_per_layer_load_and_resume_stacked(tmp_path):
+    """Orbax directories of the layout before the run was stacked (``model/layers/<i>`` for every layer): an export
+    loads, and a training checkpoint (parameters, router biases and an optimizer state after one step, all per
+    layer) resumes into today's stacked (params, rest, optimizer state) with every leaf equal to the stacked
+    conversion. A release checkpoint written from the stacked model names every layer per layer and loads back."""
+    import json
+
+    import orbax.checkpoint as ocp
+
+    import k3jax
+    from k3jax.io.orbax import load_orbax, save_orbax
+    from k3jax.nn.scan import RunLayout, flat_dict, nested_dict
+    from k3jax.train.checkpoint import Checkpointer
+    from k3jax.train.optim import OptimConfig, make_optimizer, muon_dims, muon_dims_tree
+    from small_models import scannable
+
+    m = K3ForCausalLM(scannable(), rngs=nnx.Rngs(3))
+    layout = RunLayout(m.model.scan_plan)
+    pl = per_layer_variables(m)
+    old = nested_dict({p: np.asarray(v[...]) for p, v in pl.items()})
+    assert sorted(old["model"]["layers"]) == [0, 1, 2, 3, 4]
+    d = save_orbax(m, tmp_path / "export")
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(d / "params", old, force=True)
+    loaded = load_orbax(d)
+    for (p, a), (q, b) in zip(nnx.to_flat_state(nnx.state(loaded)), nnx.to_flat_state(nnx.state(m))):
+        assert p == q
+        np.testing.assert_array_equal(np.asarray(a[...]), np.asarray(b[...]))
+
+    params_pl = nested_dict({p: v[...] for p, v in pl.items() if isinstance(v, nnx.Param)})
+    rest_pl = nested_dict({p: v[...] for p, v in pl.items() if not isinstance(v, nnx.Param)})
+    dims_pl = nested_dict({p: muon_dims(v) for p, v in pl.items() if isinstance(v, nnx.Param)})
+    oc = OptimConfig(warmup_steps=0, schedule="constant", ns_dtype="fp32")
+    opt_pl = make_optimizer(dims_pl, 10, oc)
+    grads_pl = jax.tree.map(lambda a: jnp.full(a.shape, 0.01, a.dtype), params_pl)
+    _, ost_pl = opt_pl.update(grads_pl, opt_pl.init(params_pl), params_pl)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps(m.config.to_release_dict()))
+    ck = Checkpointer(run / "checkpoints", async_save=False)
+    ck.save(1, (params_pl, rest_pl, ost_pl), {"step": 1, "data_step": 1}, force=True)
+    ck.close()
+
+    _, p_st, r_st = nnx.split(m, nnx.Param, ...)
+    params, rest = nnx.to_pure_dict(p_st), nnx.to_pure_dict(r_st)
+    opt = make_optimizer(muon_dims_tree(p_st), 10, oc)
+    target = (params, rest, opt.init(params))
+    (p2, r2, o2), meta = Checkpointer(run / "checkpoints").restore(1, target, layout)
+    assert meta["step"] == 1 and jax.tree.structure(o2) == jax.tree.structure(target[2])
+    for got, per_layer in ((p2, params_pl), (r2, rest_pl)):
+        want = layout.stack(flat_dict(per_layer))
+        for path, a in flat_dict(got).items():
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(want[path]))
+    # the optimizer state: equal to the state of the same step taken on the stacked parameters (the moments are
+    # elementwise, so stacking commutes with the step)
+    _, ost = opt.update(jax.tree.map(lambda a: jnp.full(a.shape, 0.01, a.dtype), params), target[2], params)
+    moments = [(a, b) for a, b in zip(jax.tree.leaves(o2), jax.tree.leaves(ost)) if getattr(b, "ndim", 0) > 0]
+    assert len(moments) >= len(flat_dict(params)) and any(float(jnp.max(jnp.abs(b))) > 0 for _, b in moments)
+    for a, b in zip(jax.tree.leaves(o2), jax.tree.leaves(ost)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-9)
+    with pytest.raises(Exception, match="missing 0/model/run"):   # without the layout the mismatch is named
+        Checkpointer(run / "checkpoints").restore(1, target)
+
+    out = k3jax.save_pretrained(m, tmp_path / "release")
+    from k3jax.io.safetensors import SafetensorsFile
+
+    keys = set(SafetensorsFile(out / "model.safetensors").keys())
+    assert "language_model.model.layers.2.self_attn.q_proj.weight" in keys and not any(".run." in k for k in keys)
+    back = k3jax.load_pretrained(out)
+    for (p, a), (q, b) in zip(nnx.to_flat_state(nnx.state(back)), nnx.to_flat_state(nnx.state(m))):
+        assert p == q
+        np.testing.assert_array_equal(np.asarray(a[...]), np.asarray(b[...]))

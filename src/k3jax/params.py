@@ -14,6 +14,7 @@ from flax import nnx
 
 from k3jax.config import K3Config
 from k3jax.nn.model import K3ForCausalLM
+from k3jax.nn.scan import scan_plan
 
 
 @dataclass
@@ -36,9 +37,11 @@ def _component(path: tuple, cfg: K3Config) -> str:
         return "lm_head"
     if path[:2] == ("model", "embed_tokens"):
         return "embedding"
-    if path[1] != "layers":
+    if path[1] not in ("layers", "run"):
         return "final norm + output AttnRes"
     i, sub = path[2], path[3]
+    if path[1] == "run":                          # the stacked run's position i: layers start + i, + P, …
+        i += scan_plan(cfg).start
     if sub == "self_attn":
         return "KDA layers" if cfg.layer_types[i] == "kda" else "MLA layers"
     if sub == "mlp":

@@ -19,6 +19,7 @@ from flax import nnx
 from k3jax.io.hf import PREFIX, Spec, expected_tensors
 from k3jax.io.safetensors import CheckpointError, write_safetensors
 from k3jax.nn.model import K3ForCausalLM
+from k3jax.nn.scan import RunLayout, scan_plan
 from k3jax.ops.mx import mxfp4_quantize
 
 RELEASE_QUANTIZATION = {
@@ -45,6 +46,21 @@ def parse_size(size: int | str) -> int:
     if not m or (m.group(2) or "").upper() not in _UNITS:
         raise ValueError(f"shard_size: expected bytes or a size like '5GB', got {size!r}")
     return int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
+
+
+class _Row:
+    """Row ``j`` of a stacked array, sliced only when read (``np.asarray``, an expert's ``[e]``, ``.shape``)."""
+
+    def __init__(self, stack, j: int):
+        self.stack, self.j = stack, j
+        self.shape, self.dtype = tuple(stack.shape[1:]), stack.dtype
+
+    def __array__(self, dtype=None, copy=None):
+        a = np.asarray(self.stack[self.j])
+        return a if dtype is None else a.astype(dtype)
+
+    def __getitem__(self, e):
+        return self.stack[self.j][e]
 
 
 def _ckpt_tensors(model: K3ForCausalLM, name: str, spec: Spec, params: dict, release: bool,
@@ -105,7 +121,8 @@ def save_pretrained(model: K3ForCausalLM, path: str | Path, *, shard_size: int |
     mxfp4 = expert_format == "mxfp4" and bool(cfg.moe_layers)
     release = cfg.top_level is not None
     _, state = nnx.split(model)
-    params = {p: v[...] for p, v in nnx.to_flat_state(state)}
+    # per-layer names: the stacked run's rows (k3jax.nn.scan) read one layer at a time as each shard is written
+    params = RunLayout(scan_plan(cfg)).unstack({p: v[...] for p, v in nnx.to_flat_state(state)}, row=_Row)
     expected = expected_tensors(cfg)
 
     # Plan shards from shapes alone, then materialise one shard at a time.

@@ -36,6 +36,7 @@ from flax import nnx
 from k3jax.config import K3Config
 from k3jax.io.safetensors import CheckpointError, SafetensorsFile
 from k3jax.nn.model import K3ForCausalLM
+from k3jax.nn.scan import RunLayout, scan_plan
 from k3jax.ops.mx import GROUP, mxfp4_dequantize, mxfp4_quantize
 
 log = logging.getLogger("k3jax.io")
@@ -436,21 +437,23 @@ def _dequantize_t(packed: jax.Array, scale: jax.Array) -> jax.Array:
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def _set_row(buf: jax.Array, row: jax.Array, e: jax.Array) -> jax.Array:
-    return jax.lax.dynamic_update_index_in_dim(buf, row.astype(buf.dtype), e, 0)
+def _set_row(buf: jax.Array, row: jax.Array, at: tuple) -> jax.Array:
+    row = row.astype(buf.dtype).reshape((1,) * len(at) + row.shape)
+    return jax.lax.dynamic_update_slice(buf, row, tuple(at) + (np.int32(0),) * (buf.ndim - len(at)))
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def _set_row_explicit(buf: jax.Array, row: jax.Array, e: jax.Array) -> jax.Array:
+def _set_row_explicit(buf: jax.Array, row: jax.Array, at: tuple) -> jax.Array:
     # on a mesh with Explicit axes the update must name its output sharding; a scatter can (10× slower on CPU)
-    return buf.at[e].set(row.astype(buf.dtype), out_sharding=buf.aval.sharding)
+    return buf.at[tuple(at)].set(row.astype(buf.dtype), out_sharding=buf.aval.sharding)
 
 
-def _set_expert(buf: jax.Array, row: jax.Array, e: jax.Array) -> jax.Array:
-    """``buf[e] = row`` in place (the buffer is donated)."""
+def _set_at(buf: jax.Array, row: jax.Array, at: tuple[int, ...]) -> jax.Array:
+    """``buf[at] = row`` in place (the buffer is donated): ``at`` the leading indices (an expert, a stacked run's
+    row, or both)."""
     mesh = getattr(buf.sharding, "mesh", None)
     explicit = mesh is not None and any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
-    return (_set_row_explicit if explicit else _set_row)(buf, row, e)
+    return (_set_row_explicit if explicit else _set_row)(buf, row, tuple(np.int32(i) for i in at))
 
 
 def _progress(total: int, enabled: bool | None, label: str):
@@ -518,9 +521,20 @@ def load_pretrained(path: str | Path, *, dtype: str | None = None, expert_dtype:
 
         return named_sharding(variable_axes(targets[p]), shape, mesh)
 
-    def place(p: tuple, a: np.ndarray) -> jax.Array:
-        var = targets[p]               # fp32 islands (conv, A_log, dt_bias, o_norm, router bias) are fp32 here
-        return jax.device_put(np.asarray(a, dtype=var.dtype).reshape(var.shape), sharding_of(p, var.shape))
+    layout = RunLayout(scan_plan(cfg))
+
+    def put(p: tuple, a, at: tuple[int, ...] = ()) -> None:
+        """The tensor of per-layer path ``p`` (``at``: its expert's row) into its stored variable."""
+        to, j = layout.stored(p)
+        var = targets[to]             # fp32 islands (conv, A_log, dt_bias, o_norm, router bias) are fp32 here
+        at = (() if j is None else (j,)) + at
+        if not at:
+            values[to] = jax.device_put(np.asarray(a, dtype=var.dtype).reshape(var.shape), sharding_of(to, var.shape))
+            return
+        if to not in values:
+            values[to] = jax.device_put(jnp.zeros(var.shape, var.dtype), sharding_of(to, var.shape))
+        row = a if isinstance(a, jax.Array) else np.asarray(a, dtype=var.dtype).reshape(var.shape[len(at):])
+        values[to] = _set_at(values[to], jax.device_put(row), at)
 
     values: dict[tuple, jax.Array] = {}
     by_file: dict[Path, list[str]] = {}
@@ -533,7 +547,7 @@ def load_pretrained(path: str | Path, *, dtype: str | None = None, expert_dtype:
                 spec, src = plan.expected[name], plan.sources[name]
                 a = _convert(name, spec, src, target_experts)
                 if spec.kind != "expert":
-                    values[spec.param] = place(spec.param, a)
+                    put(spec.param, a)
                     continue
                 if isinstance(a, tuple) and target_experts != "mxfp4":
                     a = _dequantize_t(jax.device_put(a[0]), jax.device_put(a[1]))
@@ -541,10 +555,7 @@ def load_pretrained(path: str | Path, *, dtype: str | None = None, expert_dtype:
                     spec.param[:-1] + (spec.param[-1] + "_packed",): a[0],
                     spec.param[:-1] + (spec.param[-1] + "_scale",): a[1]}
                 for p, arr in parts.items():
-                    if p not in values:
-                        var = targets[p]
-                        values[p] = jax.device_put(jnp.zeros(var.shape, var.dtype), sharding_of(p, var.shape))
-                    values[p] = _set_expert(values[p], jax.device_put(arr), np.int32(spec.expert))
+                    put(p, jax.device_put(arr), (spec.expert,))
             f.close()
             bar.advance(task)
     items = []

@@ -17,6 +17,11 @@ Two layouts hold a model's variables:
 :func:`restore_tree`, the checked restore that the training resume uses as well. ``k3jax convert`` moves between the
 export format and the release's safetensors.
 
+Directories written before the model stored its periodic run of layers stacked (``model/layers/<i>`` for every
+layer, :mod:`k3jax.nn.scan`) still load and resume: :func:`restore_tree` with a ``layout`` reads every model-variable
+dict of the saved tree (the parameters, the router biases and each optimizer-state tree shaped like the
+parameters) per layer and stacks the run's rows into today's layout.
+
 The saved tree must match what it is read into: every variable present, none unknown, the same shapes; otherwise
 :class:`~k3jax.io.safetensors.CheckpointError` names the variable and the directory. The one exception are
 :data:`LEGACY_KEYS`, variables that older k3jax versions saved: where the target has no such variable, the saved
@@ -36,6 +41,7 @@ from flax import nnx
 from k3jax.config import K3Config
 from k3jax.io.safetensors import CheckpointError
 from k3jax.nn.model import K3ForCausalLM
+from k3jax.nn.scan import RunLayout, flat_dict, nested_dict
 
 FORMAT = "k3jax-orbax-1"
 
@@ -107,7 +113,8 @@ def restore_model(cfg: K3Config, item_dir: str | Path, *, training_state: bool =
     else:
         graphdef, *states = nnx.split(abstract)
         target = target_of(states[0])
-    restored = restore_tree(item_dir, target, against=f"the model of {against}" if against else "the model")
+    restored = restore_tree(item_dir, target, against=f"the model of {against}" if against else "the model",
+                            layout=RunLayout(abstract.model.scan_plan))
     for state, pure in zip(states, restored[:2] if training_state else (restored,)):
         nnx.replace_by_pure_dict(state, pure)
     return nnx.merge(graphdef, *states)
@@ -127,7 +134,8 @@ def saved_tree(item_dir: str | Path) -> Any:
     return getattr(meta, "tree", meta)
 
 
-def restore_tree(item_dir: str | Path, target: Any, *, against: str | None = None) -> Any:
+def restore_tree(item_dir: str | Path, target: Any, *, against: str | None = None,
+                 layout: RunLayout | None = None) -> Any:
     """Read the Orbax PyTree at ``item_dir`` into the structure of ``target``, checked against what was saved.
 
     ``target``'s leaves are arrays (restored with their sharding and dtype) or ``jax.ShapeDtypeStruct`` (restored
@@ -136,9 +144,15 @@ def restore_tree(item_dir: str | Path, target: Any, *, against: str | None = Non
     not have, or a shape that differs raises :class:`CheckpointError` naming each and ``item_dir`` — except saved
     :data:`LEGACY_KEYS` absent from the target, which are skipped and are not in the result. Other nodes (e.g. an
     optimizer state) are checked by Orbax, whose mismatch errors are raised as :class:`CheckpointError` too.
+    ``layout`` (the model's :class:`~k3jax.nn.scan.RunLayout`): a tree saved with the run of layers per layer is
+    read per layer and stacked (each stack placed as its target leaf is).
     """
     item_dir = Path(item_dir).absolute()
     saved = saved_tree(item_dir)
+    if layout is not None and layout.plan is not None and _per_layer(saved, layout.plan.start):
+        old = _map_models(target, lambda t: nested_dict(layout.unstack(flat_dict(t))))
+        out = restore_tree(item_dir, old, against=against)
+        return _map_models(target, lambda t, o: _restacked(layout, t, o), out)
     problems: list[str] = []
     dropped: list[tuple] = []
     item = _restore_item(saved, target, (), problems, dropped)
@@ -157,6 +171,50 @@ def restore_tree(item_dir: str | Path, target: Any, *, against: str | None = Non
             node = node[k]
         del node[path[-1]]
     return out
+
+
+def _is_models(tree: Any) -> bool:
+    """Whether ``tree`` is a dict of model variables (``{"model": {"layers": …}, …}``, a vision model's
+    ``language_model`` too)."""
+    if not isinstance(tree, dict):
+        return False
+    node = tree.get("language_model", tree)
+    return isinstance(node, dict) and isinstance(node.get("model"), dict) and (
+        "layers" in node["model"] or "run" in node["model"])
+
+
+def _per_layer(saved: Any, start: int) -> bool:
+    """Whether a saved tree holds the run's first layer per layer (``model/layers/<start>``, no ``model/run``)."""
+    if _is_models(saved):
+        node = saved.get("language_model", saved)["model"]
+        return "run" not in node and str(start) in {str(k) for k in node.get("layers", ())}
+    items = saved.values() if isinstance(saved, dict) else saved if isinstance(saved, (list, tuple)) else ()
+    return any(_per_layer(v, start) for v in items)
+
+
+def _map_models(tree: Any, fn, other: Any = None) -> Any:
+    """``tree`` with every model-variable dict ``d`` replaced by ``fn(d)``; with ``other`` (a tree of the same
+    structure outside the model dicts): ``fn(d, o)`` with ``other``'s node at the same place, and ``other``'s
+    leaves elsewhere."""
+    call = (lambda d, o: fn(d)) if other is None else fn
+    if _is_models(tree):
+        return call(tree, other)
+    if isinstance(tree, dict):
+        return {k: _map_models(v, fn, None if other is None else other[k]) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        items = [_map_models(v, fn, None if other is None else other[i]) for i, v in enumerate(tree)]
+        return type(tree)(*items) if hasattr(tree, "_fields") else type(tree)(items)
+    return tree if other is None else other
+
+
+def _restacked(layout: RunLayout, target: dict, per_layer: dict) -> dict:
+    """A restored per-layer dict in the target's stacked layout, each stack placed as its target leaf is."""
+    want = flat_dict(target)
+    out = {}
+    for path, a in layout.stack(flat_dict(per_layer)).items():
+        sharding = getattr(want[path], "sharding", None)
+        out[path] = jax.device_put(a, sharding) if sharding is not None and hasattr(a, "shape") else a
+    return nested_dict(out)
 
 
 def _name(path: tuple) -> str:

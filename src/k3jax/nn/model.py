@@ -19,7 +19,7 @@ from k3jax.nn.mla import MLAttention
 from k3jax.nn.moe import MLP, MoE, RoutingStats
 from k3jax.nn.pipeline import run_pipelined
 from k3jax.nn.remat import RematPolicy, remat_policy
-from k3jax.nn.scan import BlockBuffer, run_scanned, scan_plan
+from k3jax.nn.scan import BlockBuffer, RunLayout, run_scanned, scan_plan, stack_layers, unstack_run
 from k3jax.ops.attnres import attnres_mix
 from k3jax.ops.norm import rms_norm
 from k3jax.parallel.context import ContextParallel
@@ -193,12 +193,17 @@ class K3Model(nnx.Module):
         self.embed_tokens = param(
             (cfg.initializer_range * jax.random.normal(keys(), (cfg.vocab_size, cfg.hidden_size),
                                                        jnp.float32)).astype(dt), ("vocab", "embed"))
-        self.layers = nnx.List([DecoderLayer(cfg, i, keys=keys) for i in range(cfg.num_hidden_layers)])
+        layers = [DecoderLayer(cfg, i, keys=keys) for i in range(cfg.num_hidden_layers)]
+        self.scan_plan = plan = scan_plan(cfg)           # the periodic run, stored stacked (k3jax.nn.scan)
+        self.n_layers = len(layers)
+        if plan is not None:                             # layers start … stop − 1: P stacked modules [repeats, ...]
+            self.run = nnx.List(stack_layers(layers, plan))
+            layers = [None if plan.start <= i < plan.stop else l for i, l in enumerate(layers)]
+        self.layers = nnx.List(layers)                   # the layers outside the run (None inside it)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dt)
         self.attn_res = cfg.attn_res
         if self.attn_res:
             self.output_attn_res = AttnResSite(cfg)
-        self.scan_plan = scan_plan(cfg)                  # the periodic run that scan_layers=True compiles once
         self.block_size = cfg.attn_res_block_size if cfg.attn_res else None
 
     def __call__(self, input_ids: jax.Array, *, cache: Cache | None = None, n_new: jax.Array | None = None,
@@ -221,12 +226,13 @@ class K3Model(nnx.Module):
         if pipeline is not None and (plan is None or cache is not None):
             raise ValueError("pipeline: needs a model with a periodic run of layers (k3jax.nn.scan.scan_plan) and "
                              "no cache")
+        views = self.layer_views(plan is None)
         i = 0
-        while i < len(self.layers):
+        while i < self.n_layers:
             if pipeline is not None and i == plan.start:  # the periodic run over the stage axis
                 rows = {k: kw[k] for k in ("segment_ids",) if kw.get(k) is not None}    # split per micro-batch
                 x, blocks, sts = run_pipelined(
-                    self.layers, plan, self.block_size, x, blocks,
+                    self.run, plan, self.block_size, x, blocks,
                     lambda r: functools.partial(self._one, policy, {**kw, **r}, None, None), pipeline, rows)
                 stats += sts
                 new += [None] * (plan.stop - i)
@@ -234,7 +240,7 @@ class K3Model(nnx.Module):
                 continue
             if plan is not None and i == plan.start:      # the periodic run: one scan body (k3jax.nn.scan)
                 x, blocks, sts, cs = run_scanned(
-                    self.layers, plan, self.block_size, x, blocks, functools.partial(self._one, policy, kw, cache,
+                    self.run, plan, self.block_size, x, blocks, functools.partial(self._one, policy, kw, cache,
                                                                                      n_new),
                     recompute=policy.layer is not None or policy.attnres,
                     caches=None if cache is None else list(cache.layers[plan.start:plan.stop]))
@@ -242,7 +248,7 @@ class K3Model(nnx.Module):
                 new += cs if cache is not None else [None] * (plan.stop - i)
                 i = plan.stop
                 continue
-            layer = self.layers[i]
+            layer = views[i]
             if cache is None:
                 x, blocks, st = self._whole(layer, x, blocks, policy, kw)
                 c = None
@@ -272,6 +278,15 @@ class K3Model(nnx.Module):
             return _checkpointed(layer, x, blocks, policy, {**kw, "index": index})
         x, blocks, _, st = layer(x, blocks, attnres_recompute=policy.attnres, index=index, **kw)
         return x, blocks, st
+
+    def layer_views(self, run_views: bool = True) -> list[DecoderLayer | None]:
+        """Every layer as a module, in order: the stored ones outside the run, and (``run_views``) per-layer views
+        of the run's stacks (:func:`k3jax.nn.scan.unstack_run`; copies — read them, write the stacks), else None."""
+        out = list(self.layers)
+        if self.scan_plan is not None and run_views:
+            for i, layer in unstack_run(self.run, self.scan_plan).items():
+                out[i] = layer
+        return out
 
     def embed(self, input_ids: jax.Array, embeds: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
         """Token embeddings ``[.., T, hidden]``, ``rows`` where ``mask`` when ``embeds = (rows, mask)``."""
@@ -313,15 +328,16 @@ class K3Model(nnx.Module):
                                                                         record), index=index)
             return x, blocks, cs, None
 
+        views = self.layer_views(plan is None)
         i = 0
-        while i < len(self.layers):
+        while i < self.n_layers:
             if plan is not None and i == plan.start:      # the periodic run: one scan body (k3jax.nn.scan)
                 run = [tuple(c.layers[k] for c in caches) for k in range(plan.start, plan.stop)]
-                x, blocks, _, cs = run_scanned(self.layers, plan, self.block_size, x, blocks, one, caches=run)
+                x, blocks, _, cs = run_scanned(self.run, plan, self.block_size, x, blocks, one, caches=run)
                 per_layer += cs
                 i = plan.stop
                 continue
-            x, blocks, cs = self.layers[i].forward_groups(x, blocks, groups, tuple(c.layers[i] for c in caches),
+            x, blocks, cs = views[i].forward_groups(x, blocks, groups, tuple(c.layers[i] for c in caches),
                                                           pos, n_new, record)
             per_layer.append(cs)
             i += 1
@@ -382,8 +398,8 @@ class K3ForCausalLM(nnx.Module):
         if kda_record and cache is None:
             raise ValueError("kda_record: needs a cache (it verifies a continuation of each slot)")
         if cache is not None:
-            if len(cache.layers) != len(self.model.layers):
-                raise ValueError(f"cache: {len(cache.layers)} layer caches for a {len(self.model.layers)}-layer model")
+            if len(cache.layers) != self.model.n_layers:
+                raise ValueError(f"cache: {len(cache.layers)} layer caches for a {self.model.n_layers}-layer model")
             if cache.batch != input_ids.shape[0]:
                 raise ValueError(f"cache: batch {cache.batch} != input_ids batch {input_ids.shape[0]}")
             if n_new is None:
@@ -440,7 +456,7 @@ class K3ForCausalLM(nnx.Module):
         for name, v in (("caches", caches), ("n_new", n_new), ("embeds", embeds), ("kda_record", record)):
             if len(v) != G:
                 raise ValueError(f"{name}: {len(v)} groups, input_ids has {G}")
-        ids, nn, L, H = [], [], len(self.model.layers), self.config.hidden_size
+        ids, nn, L, H = [], [], self.model.n_layers, self.config.hidden_size
         for g, (x, c, n, e) in enumerate(zip(input_ids, caches, n_new, embeds)):
             x, n = jnp.asarray(x), jnp.asarray(n)
             if x.ndim != 2 or not jnp.issubdtype(x.dtype, jnp.integer):
@@ -473,6 +489,39 @@ class K3ForCausalLM(nnx.Module):
             return jnp.einsum("...d,vd->...v", h, self.model.embed_tokens[...].astype(h.dtype))
         return self.lm_head(h)
 
-    def moe_blocks(self) -> list[MoE]:
-        """The MoE modules in layer order (the order of ``expert_counts`` and ``router_scores``)."""
-        return [layer.block_sparse_moe for layer in self.model.layers if layer.is_moe]
+    def layer(self, i: int) -> DecoderLayer:
+        """Decoder layer ``i`` (0 … n − 1): the stored module, or for a layer of the stacked run a per-layer copy
+        (:meth:`K3Model.layer_views`) — read it; parameters are written through the stored stacks."""
+        if not 0 <= i < self.model.n_layers:
+            raise IndexError(f"layer {i}: the model has {self.model.n_layers} layers")
+        return self.model.layers[i] if self.model.layers[i] is not None else self.model.layer_views()[i]
+
+    def router_biases(self) -> list[nnx.Variable | tuple[nnx.Variable, int]]:
+        """Each MoE layer's router bias in layer order (the order of ``expert_counts`` and ``router_scores``): its
+        variable ``[E]``, or ``(stacked variable [repeats, E], row)`` for a layer of the stacked run."""
+        layout, out = RunLayout(self.model.scan_plan), []
+        for i in self.config.moe_layers:
+            at = layout.locate(i)
+            if at is None:
+                out.append(self.model.layers[i].block_sparse_moe.e_score_correction_bias)
+            else:
+                out.append((self.model.run[at[0]].block_sparse_moe.e_score_correction_bias, at[1]))
+        return out
+
+    def get_router_biases(self) -> list[jax.Array]:
+        """Each MoE layer's router bias ``[E]``, in layer order."""
+        return [v[...] if not isinstance(v, tuple) else v[0][...][v[1]] for v in self.router_biases()]
+
+    def set_router_biases(self, values: list[jax.Array]) -> None:
+        """Write each MoE layer's router bias (layer order); a stacked run's rows are written as one stack."""
+        refs = self.router_biases()
+        if len(values) != len(refs):
+            raise ValueError(f"router biases: {len(values)} values for {len(refs)} MoE layers")
+        stacks: dict[int, tuple[nnx.Variable, dict]] = {}
+        for ref, v in zip(refs, values):
+            if not isinstance(ref, tuple):
+                ref[...] = v.astype(ref.dtype)
+            else:
+                stacks.setdefault(id(ref[0]), (ref[0], {}))[1][ref[1]] = v
+        for var, rows in stacks.values():
+            var[...] = jnp.stack([rows[j].astype(var.dtype) for j in range(len(rows))])

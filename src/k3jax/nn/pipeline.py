@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from k3jax.nn.scan import BlockBuffer, ScanPlan, period_function, stack_states
+from k3jax.nn.scan import BlockBuffer, ScanPlan, period_function, run_states
 
 
 class StageSplit(NamedTuple):
@@ -110,9 +110,9 @@ class PipelineConfig(NamedTuple):
     sends: str = "new"
 
 
-def run_pipelined(layers, plan: ScanPlan, block_size: int | None, x: jax.Array, blocks: list[jax.Array], make_call,
+def run_pipelined(run, plan: ScanPlan, block_size: int | None, x: jax.Array, blocks: list[jax.Array], make_call,
                   pp: PipelineConfig, rows: dict | None = None) -> tuple[jax.Array, list[jax.Array], list]:
-    """The run's layers (as :func:`k3jax.nn.scan.run_scanned`, without caches) pipelined over ``pp``: returns
+    """The run's layers (``run``: the stored stacks; as :func:`k3jax.nn.scan.run_scanned`, without caches) pipelined over ``pp``: returns
     ``(x, blocks, the MoE layers' stats in layer order)`` with the stats of the micro-batches combined (expert
     counts summed, router scores in row order). ``rows``: per-row inputs of the layers (e.g. ``segment_ids
     [B, T]``), split into micro-batches like ``x``; ``make_call(rows of one micro-batch)`` returns the ``call`` of
@@ -126,11 +126,16 @@ def run_pipelined(layers, plan: ScanPlan, block_size: int | None, x: jax.Array, 
     B = x.shape[0]
     if B % M:
         raise PipelineError(f"micro_batches={M}: the batch's {B} rows do not split evenly")
-    graphs, stacked = stack_states(layers, plan)
+    graphs, stacked = run_states(run)
     # stage-major [S, W, ...]: stage s's local period l is global period offsets[s] + l (a real period's copy where
-    # the stage has fewer: masked out)
-    idx = jnp.asarray([min(off + l, plan.repeats - 1) for off in split.offsets for l in range(W)])
-    staged = [jax.tree.map(lambda a: a[idx].reshape((S, W) + a.shape[1:]), st) for st in stacked]
+    # the stage has fewer: masked out). An even split is a reshape of the stored stacks, which the sharding rules
+    # place on the stage axis (each stage's weights on its devices); an uneven one gathers the rows (the stacks are
+    # then replicated: the stage axis does not divide them)
+    if len(set(split.periods)) == 1:
+        staged = [jax.tree.map(lambda a: a.reshape((S, W) + a.shape[1:]), st) for st in stacked]
+    else:
+        idx = jnp.asarray([min(off + l, plan.repeats - 1) for off in split.offsets for l in range(W)])
+        staged = [jax.tree.map(lambda a: a[idx].reshape((S, W) + a.shape[1:]), st) for st in stacked]
     rows = dict(rows or {})
     # micro-batch m holds rows m, m + M, m + 2M, …: a batch sharded over the data axes keeps each device's rows
     # on it in every micro-batch (contiguous micro-batches would put the data sharding on the micro-batch axis,

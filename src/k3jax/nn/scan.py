@@ -7,11 +7,17 @@ finds the longest run of layers that repeats with a period P in structure (mixer
 ``lax.scan`` of ``repeats`` iterations whose body is P layers. For K3 (93 layers) that is P = 4 from layer 1:
 layers 1–88 become one body of four layers, and 9 layers are compiled instead of 93.
 
-The parameters stay stored per layer (the release's names, checkpoints, sharding rules and Muon's dimension
-numbers are those of the unrolled model); :func:`stack_states` stacks position p's layers' states along a new
-leading axis inside the traced program (one copy of the run's weights per call; the gradient flows back to each
-layer's own parameters). Calls with a cache (prefill, decode, verification, the grouped serving step) stack the
-run's layer caches the same way and unstack the new ones.
+The run's parameters are **stored stacked**: ``K3Model.run[p]`` is one decoder layer whose variables hold layers
+``start + j·P + p`` (j = 0 … repeats − 1) along a new leading axis, the logical axis ``layers`` (:func:`stack_layers`
+builds them at construction; the layers outside the run stay in ``K3Model.layers``). So the scan reads its weights
+where they live (no copy per call), the gradient and the optimizer state are stacked the same way, Muon treats
+the ``layers`` axis as a batch axis (one matrix per layer, as unrolled) and the sharding rules can place it (on the
+``stage`` mesh axis under pipeline parallelism). The unrolled forward (``scan_layers=False``) splits the stacks
+into per-layer views once per call (:func:`unstack_run`; its gradient is a concatenation). Checkpoints keep the
+release's per-layer names: :class:`RunLayout` maps a per-layer variable path ``model.layers.i.…`` to its stored
+path and row and converts whole trees both ways (the loaders stack at load, the exports unstack at save). Calls
+with a cache (prefill, decode, verification, the grouped serving step) stack the run's layer caches inside the
+program and unstack the new ones (caches stay per layer).
 
 Block AttnRes inside the run: a period need not line up with the AttnRes blocks (K3's blocks are 12 layers, its
 period 4), so whether layer i seals a block is ``i % block_size == 0`` on the traced layer index, and the blocks
@@ -29,6 +35,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 from flax import nnx
 
@@ -133,15 +140,165 @@ def seals_in(cfg: K3Config, plan: ScanPlan) -> int:
     return sum(1 for i in range(plan.start, plan.stop) if i % bs == 0)
 
 
-def stack_states(layers, plan: ScanPlan) -> tuple[list, list]:
-    """Per period position p: the graph of the run's first layer at p and the states of layers ``start + j·P + p``
-    stacked along a new leading axis ``[repeats, ...]``."""
-    graphs, stacked = [], []
+RUN_AXIS = "layers"          # the logical axis of the run's stacked variables
+
+
+def stack_layers(layers: list, plan: ScanPlan) -> list:
+    """The run's layers as ``plan.period`` stacked modules (construction): module p is layer ``start + p``'s with
+    every variable holding layers ``start + j·P + p`` stacked ``[repeats, ...]``, its logical axes prefixed by
+    ``layers`` and a Muon matrix's ``fan_in`` shifted past it."""
+    out = []
     for p in range(plan.period):
         parts = [nnx.split(layers[plan.start + j * plan.period + p]) for j in range(plan.repeats)]
-        graphs.append(parts[0][0])
-        stacked.append(jax.tree.map(lambda *a: jnp.stack(a), *[s for _, s in parts]))
-    return graphs, stacked
+        stacked = jax.tree.map(lambda *a: jnp.stack(a), *[s for _, s in parts])
+        for _, var in nnx.to_flat_state(stacked):
+            meta = {}
+            if getattr(var, "axes", None) is not None:
+                meta["axes"] = (RUN_AXIS,) + tuple(var.axes)
+            if getattr(var, "muon", None) is not None:
+                meta["fan_in"] = int(var.fan_in) + 1
+            if meta:
+                var.set_metadata(**meta)
+        out.append(nnx.merge(parts[0][0], stacked))
+    return out
+
+
+def run_states(run) -> tuple[list, list]:
+    """Per period position p: the graph of ``run[p]`` and its stacked state ``[repeats, ...]``."""
+    parts = [nnx.split(m) for m in run]
+    return [g for g, _ in parts], [s for _, s in parts]
+
+
+def unstack_run(run, plan: ScanPlan) -> dict[int, nnx.Module]:
+    """The run's layers as per-layer modules (layer number → module; the unrolled forward): each stack split once
+    (``jnp.split``, whose transpose concatenates the gradients), each view's ``idx`` its layer number. The views
+    are copies: write to the stored stacks (e.g. :meth:`K3ForCausalLM.set_router_biases`), not to them."""
+    out = {}
+    for p, module in enumerate(run):
+        graph, state = nnx.split(module)
+        leaves, treedef = jax.tree.flatten(state)
+        pieces = [jnp.split(a, plan.repeats, axis=0) for a in leaves]
+        for j in range(plan.repeats):
+            row = jax.tree.unflatten(treedef, [jnp.squeeze(ps[j], 0) for ps in pieces])
+            for _, var in nnx.to_flat_state(row):          # a layer's own metadata (the stacked axis dropped)
+                meta = {}
+                if getattr(var, "axes", None) is not None and tuple(var.axes[:1]) == (RUN_AXIS,):
+                    meta["axes"] = tuple(var.axes[1:])
+                    if getattr(var, "muon", None) is not None:
+                        meta["fan_in"] = int(var.fan_in) - 1
+                if meta:
+                    var.set_metadata(**meta)
+            layer = nnx.merge(graph, row)
+            layer.idx = plan.start + j * plan.period + p
+            out[layer.idx] = layer
+    return out
+
+
+class RunLayout:
+    """Where a layer's variables are stored. A per-layer path ``(…, "model", "layers", i, *rest)`` (the release's
+    order; an optional ``language_model`` prefix) is stored at ``(…, "model", "run", p, *rest)`` row ``j`` when layer
+    i is the run's (``i = start + j·P + p``), else where it says. :meth:`stack` / :meth:`unstack` convert flat
+    dicts (path → array) between the two."""
+
+    def __init__(self, plan: ScanPlan | None):
+        self.plan = plan
+
+    @staticmethod
+    def _split(path: tuple) -> tuple[tuple, str, int, tuple] | None:
+        for k in (0, 1):
+            if len(path) > k + 2 and path[k] == "model" and path[k + 1] in ("layers", "run") \
+                    and (k == 0 or path[0] == "language_model"):
+                return path[:k + 1], path[k + 1], int(path[k + 2]), tuple(path[k + 3:])
+        return None
+
+    def locate(self, i: int) -> tuple[int, int] | None:
+        """``(p, j)`` for a layer of the run, None for one outside it."""
+        plan = self.plan
+        if plan is None or not plan.start <= i < plan.stop:
+            return None
+        j, p = divmod(i - plan.start, plan.period)
+        return p, j
+
+    def stored(self, path: tuple) -> tuple[tuple, int | None]:
+        """The stored path of a per-layer ``path`` and its row in the stack (None: not stacked)."""
+        parts = self._split(path)
+        if parts is None or parts[1] != "layers":
+            return tuple(path), None
+        head, _, i, rest = parts
+        at = self.locate(i)
+        if at is None:
+            return tuple(path), None
+        return head + ("run", at[0]) + rest, at[1]
+
+    def per_layer(self, path: tuple, j: int) -> tuple:
+        """The per-layer path of row ``j`` of a stored run path."""
+        head, _, p, rest = self._split(path)
+        return head + ("layers", self.plan.start + j * self.plan.period + p) + rest
+
+    def is_stacked(self, path: tuple) -> bool:
+        parts = self._split(path)
+        return parts is not None and parts[1] == "run"
+
+    def unstack(self, flat: dict, row=None) -> dict:
+        """Stored flat dict → per-layer flat dict: row j of a stack ``a`` is ``row(a, j)`` (default ``a[j]``; a
+        ``jax.ShapeDtypeStruct`` becomes the row's; a leaf without a shape is every row's)."""
+        out = {}
+        for path, a in flat.items():
+            if not self.is_stacked(path):
+                out[path] = a
+                continue
+            for j in range(self.plan.repeats):
+                out[self.per_layer(path, j)] = (
+                    jax.ShapeDtypeStruct(a.shape[1:], a.dtype) if isinstance(a, jax.ShapeDtypeStruct) else
+                    a if not hasattr(a, "shape") else        # a placeholder (e.g. optax's MaskedNode): every row's
+                    a[j] if row is None else row(a, j))
+        return dict(sorted(out.items(), key=lambda kv: _order(kv[0])))
+
+    def stack(self, flat: dict) -> dict:
+        """Per-layer flat dict → stored flat dict (the run's rows stacked, NumPy or JAX as given; leaves without a
+        shape: the first row's)."""
+        out, rows = {}, {}
+        for path, a in flat.items():
+            to, j = self.stored(path)
+            if j is None:
+                out[to] = a
+            else:
+                rows.setdefault(to, {})[j] = a
+        for to, r in rows.items():
+            if sorted(r) != list(range(self.plan.repeats)):
+                raise ValueError(f"{'/'.join(map(str, to))}: rows {sorted(r)} of {self.plan.repeats}")
+            parts = [r[j] for j in range(self.plan.repeats)]
+            if not hasattr(parts[0], "shape"):
+                out[to] = parts[0]
+            else:
+                out[to] = (np.stack if all(isinstance(a, np.ndarray) for a in parts) else jnp.stack)(parts)
+        return out
+
+
+def _order(path: tuple) -> tuple:
+    return tuple((0, k, "") if isinstance(k, int) else (1, 0, str(k)) for k in path)
+
+
+def flat_dict(tree: dict, prefix: tuple = ()) -> dict:
+    """A nested dict (``nnx.to_pure_dict``) as ``{path: leaf}``."""
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(flat_dict(v, prefix + (k,)))
+        else:
+            out[prefix + (k,)] = v
+    return out
+
+
+def nested_dict(flat: dict) -> dict:
+    """:func:`flat_dict`'s inverse."""
+    out: dict = {}
+    for path, v in flat.items():
+        node = out
+        for k in path[:-1]:
+            node = node.setdefault(k, {})
+        node[path[-1]] = v
+    return out
 
 
 def period_function(graphs: list, plan: ScanPlan, call):
@@ -164,17 +321,17 @@ def period_function(graphs: list, plan: ScanPlan, call):
     return period
 
 
-def run_scanned(layers, plan: ScanPlan, block_size: int | None, x: jax.Array, blocks: list[jax.Array], call,
+def run_scanned(run, plan: ScanPlan, block_size: int | None, x: jax.Array, blocks: list[jax.Array], call,
                 recompute: bool = False, caches: list | None = None) -> tuple[jax.Array, list[jax.Array], list, list]:
-    """The run's layers over ``x`` (the partial sum entering layer ``start``) and ``blocks`` (sealed so far):
-    ``call(layer, x, blocks, index, cache)`` runs one layer (``index``: its traced layer number; ``cache``: its
+    """The run's layers (``run``: the stored stacks, :func:`stack_layers`) over ``x`` (the partial sum entering
+    layer ``start``) and ``blocks`` (sealed so far): ``call(layer, x, blocks, index, cache)`` runs one layer (``index``: its traced layer number; ``cache``: its
     layer cache or None) and returns ``(x, blocks, new cache or None, stats or None)``. ``block_size``: AttnRes's
     (None: plain residuals). ``caches``: the run's layer caches in layer order (prefill, decode, verification),
-    stacked per period position like the parameters. ``recompute`` (with AttnRes, without caches): the backward
+    stacked per period position inside the program. ``recompute`` (with AttnRes, without caches): the backward
     keeps only each period's input partial sum and the run's final blocks and recomputes each period's forward
     (:func:`_periods_recomputed`) instead of keeping the carried block buffer once per period. Returns ``(x,
     blocks, the MoE layers' stats in layer order, the new layer caches in layer order or [])``."""
-    graphs, stacked = stack_states(layers, plan)
+    graphs, stacked = run_states(run)
     P, m = plan.period, plan.repeats
     attn_res = block_size is not None
     seal_at = [i for i in range(plan.start, plan.stop) if attn_res and i % block_size == 0]

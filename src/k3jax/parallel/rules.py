@@ -14,6 +14,9 @@ logical axis           mesh axis  where
 ``heads``              tensor     attention heads (q/k/v/g/o, kv_b, q_b, conv channels, A_log, dt_bias)
 ``mlp``, ``latent``    tensor     dense / shared-expert intermediate; the LatentMoE latent width
 ``embed``              fsdp       the hidden size as a matrix dimension
+``layers``             stage      the stacked run of layers ``[repeats, …]`` (:mod:`k3jax.nn.scan`): under
+                                  pipeline parallelism each stage holds its own layers (when the stages divide
+                                  the run evenly; otherwise the stacks stay whole on every stage)
 =====================  =========  ==========================================================================
 """
 
@@ -25,7 +28,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 LOGICAL_TO_MESH = {"experts": "expert", "vocab": "tensor", "heads": "tensor", "mlp": "tensor", "latent": "tensor",
-                   "embed": "fsdp", "batch": ("data", "fsdp")}
+                   "embed": "fsdp", "layers": "stage", "batch": ("data", "fsdp")}
 
 
 def variable_axes(var: nnx.Variable) -> tuple[str | None, ...]:

@@ -47,8 +47,9 @@ def update_router_biases(model, out, c: BalanceConfig) -> None:
     forward's output ``out`` (its ``expert_counts`` and ``router_scores``, MoE layers in order)."""
     if c.method == "none":
         return
-    moes = model.moe_blocks()
-    for j, moe in enumerate(moes):
-        b = moe.e_score_correction_bias[...]
+    k = model.config.num_experts_per_token
+    new = []
+    for j, b in enumerate(model.get_router_biases()):
         scores = out.router_scores[j] if out.router_scores is not None else None
-        moe.e_score_correction_bias[...] = next_bias(b, out.expert_counts[j], scores, moe.top_k, c)
+        new.append(next_bias(b, out.expert_counts[j], scores, k, c))
+    model.set_router_biases(new)

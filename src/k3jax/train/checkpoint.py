@@ -36,9 +36,12 @@ class Checkpointer:
         return self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                                meta=ocp.args.JsonSave(meta)), force=force)
 
-    def restore(self, step: int, target: Any) -> tuple[Any, dict]:
-        """``(state, meta)`` of ``step``; ``state`` has ``target``'s structure, shardings and dtypes."""
-        state = restore_tree(self.dir / str(step) / "state", target, against="this run's training state")
+    def restore(self, step: int, target: Any, layout=None) -> tuple[Any, dict]:
+        """``(state, meta)`` of ``step``; ``state`` has ``target``'s structure, shardings and dtypes. ``layout``
+        (the model's :class:`~k3jax.nn.scan.RunLayout`): a checkpoint saved with the run of layers per layer is
+        stacked as it is read (:func:`~k3jax.io.orbax.restore_tree`)."""
+        state = restore_tree(self.dir / str(step) / "state", target, against="this run's training state",
+                             layout=layout)
         meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         return state, meta
 

@@ -25,7 +25,7 @@ from flax import nnx
 from k3jax.config import ConfigError, K3Config, resolve_config
 from k3jax.nn.model import K3ForCausalLM
 from k3jax.nn.remat import REMAT_NAMES
-from k3jax.nn.scan import scan_plan, use_scan
+from k3jax.nn.scan import RunLayout, scan_plan, use_scan
 from k3jax.ops.balance import max_violation
 from k3jax.parallel.context import ContextParallel
 from k3jax.parallel.ep import ExpertParallel
@@ -448,7 +448,7 @@ def train(c: TrainConfig, *, console=None, stop_after: int | None = None, on_ste
     start = 0
     if c.resume and ckpt.latest_step() is not None:
         start = ckpt.latest_step()
-        (params, rest, opt_state), meta = ckpt.restore(start, (params, rest, opt_state))
+        (params, rest, opt_state), meta = ckpt.restore(start, (params, rest, opt_state), RunLayout(scan_plan(cfg)))
         log.truncate_after(start)
         console.print(f"resumed from {ckpt.dir / str(start)} (step {start}, data position {meta['data_step']})")
     else:                                              # a new run (or resume=true with nothing to resume)

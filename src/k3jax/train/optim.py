@@ -6,7 +6,8 @@ parameter is created (:mod:`k3jax.nn.layers`): ``var.muon`` is None (AdamW), ``"
 ``var.fan_in`` axes are the input) or ``"batched"`` (axes named ``heads`` / ``experts`` in ``var.axes`` are batch
 axes). Attention projections keep a separate heads axis — KDA/MLA q, k, v, g ``[in, heads, head_dim]``,
 o ``[heads, head_dim, out]``, MLA q_b/kv_b ``[rank, heads, d]`` — so ``MuonDimensionNumbers`` names only the
-reduction and output axes and Newton–Schulz runs per head; routed experts ``[E, in, out]`` per expert. Updates
+reduction and output axes and Newton–Schulz runs per head; routed experts ``[E, in, out]`` per expert; a stacked
+run's leading ``layers`` axis (:mod:`k3jax.nn.scan`) is a batch axis too, one matrix per layer as unrolled. Updates
 are scaled to Moonlight's RMS (``consistent_rms=0.2``: 0.2·√max(fan_in, fan_out)). AdamW takes embeddings, the
 head, norms and gains, AttnRes vectors, conv kernels, A_log, dt_bias. Weight decay is decoupled for both.
 """
@@ -21,6 +22,8 @@ import jax.numpy as jnp
 import optax
 from optax.contrib import MuonDimensionNumbers as MDN
 
+from k3jax.nn.scan import RUN_AXIS
+
 BATCH_AXES = ("heads", "experts")
 
 
@@ -33,6 +36,7 @@ def muon_dims(var) -> MDN | None:
     axes = tuple(var.axes)
     fan_in = int(getattr(var, "fan_in", 1))
     batch = {i for i, a in enumerate(axes) if a in BATCH_AXES} if kind == "batched" else set()
+    batch |= {i for i, a in enumerate(axes) if a == RUN_AXIS}        # a stacked run: one matrix per layer
     red = tuple(i for i in range(fan_in) if i not in batch)
     out = tuple(i for i in range(fan_in, len(axes)) if i not in batch)
     if not red or not out:
