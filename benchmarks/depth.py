@@ -10,7 +10,9 @@ of 12 — so depth is the only thing that grows.
 * **Compile time vs depth** — the jitted forward (logits) and its gradient (``jax.value_and_grad`` of the mean
   log-probability) at ``--depths`` layers, batch ``--batch`` × ``--compile-seq``: lowering + XLA compile, seconds.
   Unrolled, each layer is compiled on its own, so the time grows with depth; scanned (``scan_layers=True``,
-  :mod:`k3jax.nn.scan`), the periodic run of layers is one ``lax.scan`` body compiled once.
+  :mod:`k3jax.nn.scan`), the periodic run of layers is one ``lax.scan`` body compiled once. Scanned, also the
+  whole training step (gradient + Per-Head Muon/AdamW update): the run's parameters and optimizer state are
+  stored stacked, so the update's program does not grow with the run either.
 * **Remat policies** (``k3jax.nn.remat``) at ``--remat-depth`` layers, batch ``--batch`` × ``--seq``: per policy,
   the bytes the backward keeps (``saved_residuals``: JAX's listing of the VJP's residuals, the parameters
   excluded), XLA's memory analysis of the compiled gradient (temporaries; host temporaries for ``offload``), the
@@ -98,13 +100,40 @@ def compile_rows(depths, batch: int, seq: int) -> list[dict]:
         for layout, scan in (("unrolled", False), ("scanned", True)):
             _, fwd = compiled(lambda p: logits(p, scan), params)
             _, grad = compiled(jax.value_and_grad(lambda p: loss(p, "none", scan)), params)
+            step = train_step_compile(params, loss) if scan else None
             compiled_layers = plan.compiled_layers(L) if scan and plan else L
             rows.append({"depth": L, "layout": layout, "compiled_layers": compiled_layers,
                          "scan_plan": list(plan) if scan and plan else None,
-                         "forward_compile_s": fwd, "grad_compile_s": grad})
+                         "forward_compile_s": fwd, "grad_compile_s": grad, "step_compile_s": step})
             print(f"depth {L:3d} {layout:>8} ({compiled_layers:3d} layers compiled) | forward {fwd:6.1f} s | "
-                  f"gradient {grad:6.1f} s", file=sys.stderr, flush=True)
+                  f"gradient {grad:6.1f} s" + (f" | training step {step:6.1f} s" if step else ""),
+                  file=sys.stderr, flush=True)
     return rows
+
+
+def train_step_compile(params, loss) -> float:
+    """Compile seconds of a whole scanned training step: the gradient and the Per-Head Muon + AdamW update applied
+    (``k3jax.train.optim``, its defaults), on the parameters as the model stores them (the run stacked)."""
+    import optax
+
+    from k3jax.train.optim import OptimConfig, make_optimizer, muon_dims_tree
+
+    opt = make_optimizer(muon_dims_tree(params), 100, OptimConfig())
+    pure = nnx.to_pure_dict(params)
+
+    def step(p, o):
+        def f(p):
+            st = jax.tree.map(lambda x: x, params)
+            nnx.replace_by_pure_dict(st, p)
+            return loss(st, "none", True)
+
+        v, g = jax.value_and_grad(f)(p)
+        u, o = opt.update(g, o, p)
+        return optax.apply_updates(p, u), o, v
+
+    t = time.perf_counter()
+    jax.jit(step).lower(pure, opt.init(pure)).compile()
+    return time.perf_counter() - t
 
 
 def median_time(c, params, reps: int) -> float:
@@ -209,6 +238,9 @@ def plot(res: dict, path: str) -> None:
         for layout, style in (("unrolled", "o-"), ("scanned", "s--")):
             rs = [r for r in cr if r["layout"] == layout]
             a.plot([r["depth"] for r in rs], [r[key] for r in rs], style, label=f"{lab}, {layout}")
+    rs = [r for r in cr if r.get("step_compile_s")]
+    if rs:
+        a.plot([r["depth"] for r in rs], [r["step_compile_s"] for r in rs], "^:", label="training step, scanned")
     a.set_xlabel("layers")
     a.set_ylabel("compile time (s)")
     a.set_title("compile time vs depth (test widths, K3 pattern)")

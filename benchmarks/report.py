@@ -552,10 +552,12 @@ def t_depth(r: dict) -> str:
     p = r.get("params", {})
     rows = [[c.get("depth"), c.get("layout"), c.get("compiled_layers", c.get("depth")),
              num(c.get("forward_compile_s"), ",.1f", suffix=" s"),
-             num(c.get("grad_compile_s"), ",.1f", suffix=" s")] for c in r.get("compile", [])]
+             num(c.get("grad_compile_s"), ",.1f", suffix=" s"),
+             num(c.get("step_compile_s"), ",.1f", suffix=" s") if c.get("step_compile_s") else "–"]
+            for c in r.get("compile", [])]
     out = (f"Compile time vs depth ({p.get('widths')}, {p.get('pattern')}; batch {p.get('batch')}×"
-           f"{p.get('compile_seq')}):\n\n" + table(["layers", "layout", "layers compiled", "forward", "gradient"],
-                                                    rows))
+           f"{p.get('compile_seq')}; training step = gradient + Per-Head Muon/AdamW update, scanned):\n\n"
+           + table(["layers", "layout", "layers compiled", "forward", "gradient", "training step"], rows))
     rows = [[x.get("model"), "scanned" if x.get("scanned") else "unrolled", x.get("remat"),
              mib(x.get("residual_bytes")),
              num((x.get("residual_bytes_per_layer") or 0) / 2**10, ",.1f", suffix=" KiB"), mib(x.get("temp_bytes")),

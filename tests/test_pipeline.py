@@ -61,19 +61,22 @@ def pp():
 @pytest.mark.slow
 @pytest.mark.xdist_group("pipeline")
 def test_pipelined_model_equals_unpipelined(pp):
-    """11 layers (layer 0 KDA + dense FFN, five (KDA, MLA) periods with MoE, AttnRes blocks of 3 not aligned with
-    the period, a partial last block), float64, two packed documents per row, 2 micro-batches: on stage=4,data=2
-    the five periods split 2, 1, 1, 1 (uneven); on stage=2,context=2,data=2 each stage's layers run context
-    parallel (the second document starts on rank 0 and crosses into rank 1). Loss, logits, expert counts, router
-    scores and every gradient equal the unpipelined model's to float64 rounding (measured: logits ≤ 1.1e-15 /
-    1.3e-15, gradients ≤ 7.6e-16 / 9.6e-16 against gradients up to 0.34; MoonEP inside the stages is
+    """13 layers (layer 0 KDA + dense FFN, six (KDA, MLA) periods with MoE, AttnRes blocks of 3 not aligned with
+    the period), float64, two packed documents per row, 2 micro-batches, the parameters placed by the sharding
+    rules: on stage=4,data=2 the six periods split 2, 2, 1, 1 (uneven: the run's stacks [6, …] stay whole on every
+    device); on stage=2,context=2,data=2 they split 3, 3 and each device holds its stage's 3 rows of every stack —
+    and receives its gradient in the same 3 rows — while each stage's layers run context parallel (the second
+    document starts on rank 0 and crosses into rank 1). Loss, logits, expert counts, router scores and every
+    gradient equal the unpipelined model's on one device to float64 rounding (MoonEP inside the stages is
     pp_train_check's stage=2,expert=2,data=2 run)."""
-    assert pp["plan"] == [1, 2, 5] and pp["grad_scale"] > 1e-2
+    assert pp["plan"] == [1, 2, 6] and pp["grad_scale"] > 1e-2
     for name in ("stage4", "stage2_context2"):
         r = pp[name]
         assert r["counts_equal"], name
         for key in ("loss", "logits", "scores", "grads"):
             assert r[key] <= 1e-12, (name, key, r[key])
+    assert (pp["stage4"]["run_rows_per_device"], pp["stage4"]["grad_rows_per_device"]) == (6, 6)
+    assert (pp["stage2_context2"]["run_rows_per_device"], pp["stage2_context2"]["grad_rows_per_device"]) == (3, 3)
 
 
 @pytest.mark.slow
@@ -83,13 +86,13 @@ def test_incremental_sends_move_fewer_bytes_than_forwarding_every_block(pp):
     micro-batch is 2 rows, one per data rank: a row's partial sum or block is r = 16 tokens × hidden × 8 bytes per
     device, and each stage link carries one per data rank (2). Each tick a stage sends the next one its partial
     sum; with incremental sends it also sends every later stage s + k its ring slot of n = max seals = 1 block (the
-    five periods split 2, 1, 1, 1; blocks of 3 seal at layers 3, 6, 9: one each on stages 0, 1, 3). Forwarding
+    six periods split 2, 2, 1, 1; blocks of 3 seal at layers 3, 6, 9, 12: one on each stage). Forwarding
     instead sends the next stage the (S − 1)·n blocks a stage can hold. So: new s→s+1 = 2·(1 + n)·r, s→s+k
     (k ≥ 2) = 2·n·r; all s→s+1 = 2·(1 + 3n)·r and nothing else (measured in total: 147,456 against 196,608 bytes,
     −25%)."""
     from test_scan import k3_pattern
 
-    cfg = k3_pattern(11, 3, mla=[2, 4, 6, 8, 10])
+    cfg = k3_pattern(13, 3, mla=[2, 4, 6, 8, 10, 12])
     plan = scan_plan(cfg)
     n = max(stage_seals(plan, split_run(plan.repeats, 4), 3))
     r = 16 * cfg.hidden_size * 8
@@ -103,12 +106,21 @@ def test_incremental_sends_move_fewer_bytes_than_forwarding_every_block(pp):
 @pytest.mark.slow
 @pytest.mark.xdist_group("pipeline")
 def test_pipeline_training_follows_data_parallel():
-    """``train`` (the 11-layer model of pp_check in fp32, Quantile Balancing and Per-Head Muon on, 4 micro-batches)
-    on stage=4,data=2 and on stage=2,expert=2,data=2 (MoonEP inside the stages) against data=8, 6 steps: the losses
-    agree to fp32 reordering (measured over 10 steps: ≤ 3.4e-7 relative on stage=4,data=2)."""
+    """``train`` (pp_check's model at 11 layers — five (KDA, MLA) periods — in fp32, Quantile Balancing and Per-Head
+    Muon on, 4 micro-batches) on stage=4,data=2 and on stage=2,expert=2,data=2 (MoonEP inside the stages) against
+    data=8, 6 steps: the losses agree to fp32 reordering, up to what Quantile Balancing makes of it.
+
+    Tolerance 2e-4 relative. QB solves each layer's bias from a histogram of router scores (1000 bins): the meshes'
+    fp32 reorderings (~1e-7) can move a score across a bin edge, which moves a bias by a bin and reroutes tokens —
+    a discrete step in the loss, not a drift. Measured (6 steps): with ``balance=none`` stage=4,data=2 follows
+    data=8 to ≤ 2.4e-7 relative at every step; with QB the first three steps agree to 1e-7, then step 3 differs by
+    1.1e-5 and step 5 by 5.5e-5 (a bin moved). Before the run of layers was stored stacked the reorderings happened
+    to move no bin (≤ 3.4e-7 over 10 steps). A wrong pipeline (a stage's layers, blocks or micro-batch rows mixed
+    up) moves the loss by > 1e-2 from the first step; the exact check is pp_check's float64 model (≤ 1e-12)."""
     res = run_device_check(CHECK.with_name("pp_train_check.py"), "6", timeout=1500)
     ref = res["data=8"]
     assert len(ref) == 6 and ref[-1] < ref[0]                          # it learns
     for mesh in ("stage=4,data=2", "stage=2,expert=2,data=2"):
         for i, (a, b) in enumerate(zip(ref, res[mesh])):
-            assert abs(a - b) <= 1e-5 * abs(a), (mesh, i, a, b)
+            assert abs(a - b) <= 2e-4 * abs(a), (mesh, i, a, b)
+        assert abs(ref[0] - res[mesh][0]) <= 1e-6 * abs(ref[0]), mesh    # the first step: one forward, no QB yet

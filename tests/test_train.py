@@ -288,7 +288,7 @@ def test_bf16_training_tracks_fp32_over_50_tiny_steps():
             assert "bf16" in hlo and "dot_general" in hlo
             dt = compute_dtypes(cfg, prec)
             assert dt["model"]["embed_tokens"] == jnp.bfloat16
-            kda = dt["model"]["layers"][1]["self_attn"]
+            kda = dt["model"]["layers"][0]["self_attn"]
             assert kda["A_log"] == jnp.float32 and kda["q_conv1d"] == jnp.float32   # the release's fp32 islands
         out = []
         for b in batches:

@@ -186,7 +186,11 @@ class CausalLMOutput(NamedTuple):
 
 
 class K3Model(nnx.Module):
-    """Embedding → decoder layers (KDA/MLA × dense/MoE, AttnRes stream) → output read → final norm."""
+    """Embedding → decoder layers (KDA/MLA × dense/MoE, AttnRes stream) → output read → final norm.
+
+    Storage: the periodic run of layers (:func:`k3jax.nn.scan.scan_plan`) is ``run[p]``, one decoder layer per
+    period position whose variables are stacked ``[repeats, ...]``; ``layers[i]`` holds the layers outside it
+    (None inside). :meth:`layer_views` / :meth:`K3ForCausalLM.layer` give every layer as a module."""
 
     def __init__(self, cfg: K3Config, *, keys: KeyGen):
         dt = jnp.dtype(cfg.dtype)
