@@ -564,8 +564,9 @@ def t_depth(r: dict) -> str:
              mib(x.get("host_temp_bytes")), num(x.get("compile_s"), ",.1f", suffix=" s"), ms(x.get("step_s"))]
             for x in r.get("remat", [])]
     out += (f"\n\nRemat policies at {p.get('remat_depth')} layers, batch {p.get('batch')}×{p.get('seq')} (kept = the "
-            f"VJP's residuals without the parameters; scanned, they include the in-program stacked copy of the "
-            f"run's weights):\n\n" +
+            f"VJP's residuals without the parameters; the scanned rows were measured while the run was still stored "
+            f"per layer, so they include the in-program stacked copy of the run's weights that stacked storage "
+            f"removed):\n\n" +
             table(["model", "layout", "remat", "kept (MiB)", "kept / layer", "XLA temp (MiB)", "host temp (MiB)", "compile",
                    "step (ms)"], rows))
     if r.get("pipeline"):
