@@ -255,6 +255,35 @@ def test_reasoning_content_and_tool_calls_come_back_apart(served, scripted, monk
         offline(served, [5, 6, 7], 3)
 
 
+def test_tokenizer_endpoints_match_the_server_tokenizer(served):
+    """vLLM's /tokenize, /detokenize and /tokenizer_info: the ids a completion and a chat request are served from
+    (the fixture's release tokenizer, BOS first; the chat template's rendering), their text back, the special
+    tokens, and 400s naming the field."""
+    from k3jax.text.chat import encode_chat
+
+    with httpx.Client(base_url=served.url, timeout=60) as c:
+        r = c.post("/tokenize", json={"prompt": "Hello there", "return_token_strs": True}).json()
+        assert r["tokens"] == [CHAT_IDS["[BOS]"]] + served.tok.encode("Hello there")
+        assert r["count"] == len(r["tokens"]) and r["max_model_len"] == MAX_LEN
+        assert "".join(r["token_strs"][1:]) == "Hello there"
+        assert c.post("/tokenize", json={"prompt": "Hi", "add_special_tokens": False}).json()["tokens"] == \
+            served.tok.encode("Hi")
+        msgs = [{"role": "user", "content": "What is 2+2?"}]
+        assert c.post("/tokenize", json={"messages": msgs}).json()["tokens"] == encode_chat(served.tok, msgs)
+        assert c.post("/detokenize", json={"tokens": served.tok.encode("round trip")}).json() == \
+            {"prompt": "round trip"}
+        info = c.get("/tokenizer_info").json()
+        assert (info["bos_token_id"], info["vocab_size"]) == (CHAT_IDS["[BOS]"], served.tok.vocab_size)
+        assert info["bos_token"] == "[BOS]" and info["chat_template"] is not None
+        for path, body, field in (("/detokenize", {"tokens": [1, 10**9]}, "tokens[1]"),
+                                  ("/tokenize", {"prompt": "a", "messages": msgs}, "prompt"),
+                                  ("/tokenize", {}, "prompt"),
+                                  ("/tokenize", {"prompt": 3}, "prompt"),
+                                  ("/detokenize", {"tokens": [1], "model": "other"}, "model")):
+            r = c.post(path, json=body)
+            assert r.status_code == 400 and r.json()["error"]["param"] == field, (path, body, r.text)
+
+
 def test_chat_needs_a_chat_capable_tokenizer(served):
     from k3jax.text.tokenizer import ByteTokenizer
 

@@ -102,6 +102,18 @@ def create_app(sched, tokenizer, config: ServeConfig, vision=None):
         return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": created,
                                             "owned_by": "k3jax", "max_model_len": config.max_model_len}]}
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return handlers.tokenize(await request.body())
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return handlers.detokenize(await request.body())
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        return handlers.tokenizer_info()
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await handlers.completions(await request.body())

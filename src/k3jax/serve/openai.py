@@ -19,8 +19,8 @@ from typing import AsyncIterator
 from fastapi.responses import StreamingResponse
 
 from k3jax.infer.requests import QueueFull, Request, RequestError, TokenEvent
-from k3jax.serve.protocol import (SSE_DONE, APIError, ChatBody, CommonBody, CompletionBody, Envelope, parse_body,
-                                  prediction_ids, sampling_params, sse, usage)
+from k3jax.serve.protocol import (SSE_DONE, APIError, ChatBody, CommonBody, CompletionBody, DetokenizeBody, Envelope,
+                                  TokenizeBody, parse_body, prediction_ids, sampling_params, sse, usage)
 from k3jax.text.chat import AssistantStreamParser, ChatFormatError, encode_chat
 from k3jax.text.stream import TextStream
 
@@ -135,6 +135,49 @@ class Handlers:
     def _submit(self, body: CommonBody, ids: list[int], params, **kw) -> Generation:
         return Generation.submit(self.sched, ids, params, use_speculative=body.speculative,
                                  prediction=prediction_ids(body, self.tok), **kw)
+
+    # ------------------------------------------------------------------------------------------ tokenizer
+    def tokenize(self, raw: bytes) -> dict:
+        """``POST /tokenize``: ``{count, max_model_len, tokens, token_strs}`` for a prompt or chat messages."""
+        body = parse_body(TokenizeBody, raw)
+        self._check_model(body)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "prompt: give exactly one of prompt and messages", "prompt")
+        if body.prompt is not None:
+            bos = [self.tok.bos_id] if body.add_special_tokens and self.tok.bos_id is not None else []
+            ids = bos + self.tok.encode(body.prompt)
+        else:
+            if self.chat_problem is not None:
+                raise APIError(400, f"messages: this model cannot chat: {self.chat_problem}", "messages")
+            try:
+                ids = encode_chat(self.tok, body.messages, tools=body.tools)
+            except ChatFormatError as e:
+                raise APIError(400, str(e), str(e).split(":", 1)[0]) from None
+        strs = [self.tok.decode([i]) for i in ids] if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": self.config.max_model_len, "tokens": ids, "token_strs": strs}
+
+    def detokenize(self, raw: bytes) -> dict:
+        """``POST /detokenize``: ``{prompt}``, the text of ``tokens``; an id outside the vocabulary is a 400."""
+        body = parse_body(DetokenizeBody, raw)
+        self._check_model(body)
+        V = self.tok.vocab_size
+        for i, t in enumerate(body.tokens):
+            if not 0 <= t < V:
+                raise APIError(400, f"tokens[{i}]: id {t} is outside the vocabulary [0, {V})", f"tokens[{i}]")
+        return {"prompt": self.tok.decode(body.tokens)}
+
+    def tokenizer_info(self) -> dict:
+        """``GET /tokenizer_info``: what a harness with a remote tokenizer needs (special tokens, vocabulary size,
+        whether chat messages are accepted)."""
+        def text(i):
+            return None if i is None else self.tok.decode([i])
+
+        t = self.tok
+        return {"tokenizer_class": type(t).__name__, "name": getattr(t, "name", None), "vocab_size": t.vocab_size,
+                "bos_token": text(t.bos_id), "bos_token_id": t.bos_id, "eos_token": text(t.eos_id),
+                "eos_token_id": t.eos_id, "pad_token": text(t.pad_id), "pad_token_id": t.pad_id,
+                "chat_template": "k3 (k3jax.text.chat)" if self.chat_problem is None else None,
+                "max_model_len": self.config.max_model_len}
 
     # ------------------------------------------------------------------------------------------ completions
     def completion_ids(self, body: CompletionBody) -> list[int]:

@@ -96,6 +96,27 @@ class ChatBody(CommonBody):
     logprobs: StrictBool | None = None
 
 
+class TokenizeBody(BaseModel):
+    """``POST /tokenize`` (vLLM's): a ``prompt`` (with BOS when ``add_special_tokens``, as ``/v1/completions``
+    encodes it) or chat ``messages`` (+ ``tools``), rendered as ``/v1/chat/completions`` renders them."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    add_special_tokens: StrictBool = True
+    return_token_strs: StrictBool = False
+
+
+class DetokenizeBody(BaseModel):
+    """``POST /detokenize`` (vLLM's): token ids → text."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: StrictStr | None = None
+    tokens: list[StrictInt]
+
+
 def field_of(loc: tuple) -> str:
     """A pydantic error location as the user wrote the field (``messages[0].role``)."""
     parts = [str(p) for p in loc if p not in ("body",)]
