@@ -498,7 +498,9 @@ class K3ForCausalLM(nnx.Module):
         (:meth:`K3Model.layer_views`) — read it; parameters are written through the stored stacks."""
         if not 0 <= i < self.model.n_layers:
             raise IndexError(f"layer {i}: the model has {self.model.n_layers} layers")
-        return self.model.layers[i] if self.model.layers[i] is not None else self.model.layer_views()[i]
+        if self.model.layers[i] is not None:
+            return self.model.layers[i]
+        return unstack_run(self.model.run, self.model.scan_plan, only=i)[i]
 
     def router_biases(self) -> list[nnx.Variable | tuple[nnx.Variable, int]]:
         """Each MoE layer's router bias in layer order (the order of ``expert_counts`` and ``router_scores``): its

@@ -169,29 +169,38 @@ def run_states(run) -> tuple[list, list]:
     return [g for g, _ in parts], [s for _, s in parts]
 
 
-def unstack_run(run, plan: ScanPlan) -> dict[int, nnx.Module]:
+def unstack_run(run, plan: ScanPlan, only: int | None = None) -> dict[int, nnx.Module]:
     """The run's layers as per-layer modules (layer number → module; the unrolled forward): each stack split once
-    (``jnp.split``, whose transpose concatenates the gradients), each view's ``idx`` its layer number. The views
-    are copies: write to the stored stacks (e.g. :meth:`K3ForCausalLM.set_router_biases`), not to them."""
+    (``jnp.split``, whose transpose concatenates the gradients), each view's ``idx`` its layer number. ``only``: just
+    that layer (one row sliced). The views are copies: write to the stored stacks (e.g.
+    :meth:`K3ForCausalLM.set_router_biases`), not to them."""
     out = {}
     for p, module in enumerate(run):
+        rows = [j for j in range(plan.repeats) if only is None or only == plan.start + j * plan.period + p]
+        if not rows:
+            continue
         graph, state = nnx.split(module)
         leaves, treedef = jax.tree.flatten(state)
-        pieces = [jnp.split(a, plan.repeats, axis=0) for a in leaves]
-        for j in range(plan.repeats):
-            row = jax.tree.unflatten(treedef, [jnp.squeeze(ps[j], 0) for ps in pieces])
-            for _, var in nnx.to_flat_state(row):          # a layer's own metadata (the stacked axis dropped)
-                meta = {}
-                if getattr(var, "axes", None) is not None and tuple(var.axes[:1]) == (RUN_AXIS,):
-                    meta["axes"] = tuple(var.axes[1:])
-                    if getattr(var, "muon", None) is not None:
-                        meta["fan_in"] = int(var.fan_in) - 1
-                if meta:
-                    var.set_metadata(**meta)
-            layer = nnx.merge(graph, row)
+        if only is None:
+            pieces = [[jnp.squeeze(a, 0) for a in jnp.split(x, plan.repeats, axis=0)] for x in leaves]
+        else:
+            pieces = [{rows[0]: x[rows[0]]} for x in leaves]
+        for j in rows:
+            layer = nnx.merge(graph, _own_metadata(jax.tree.unflatten(treedef, [ps[j] for ps in pieces])))
             layer.idx = plan.start + j * plan.period + p
             out[layer.idx] = layer
     return out
+
+
+def _own_metadata(row):
+    """A row of a stacked state with each variable's own metadata (the stacked axis dropped)."""
+    for _, var in nnx.to_flat_state(row):
+        if getattr(var, "axes", None) is not None and tuple(var.axes[:1]) == (RUN_AXIS,):
+            meta = {"axes": tuple(var.axes[1:])}
+            if getattr(var, "muon", None) is not None:
+                meta["fan_in"] = int(var.fan_in) - 1
+            var.set_metadata(**meta)
+    return row
 
 
 class RunLayout:
